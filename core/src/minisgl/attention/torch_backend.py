@@ -1,0 +1,69 @@
+"""Reference attention in plain PyTorch: runs on CPU and CUDA.
+
+Requests are padded into one ``[batch, heads, max_new, max_kv]`` problem and
+solved with ``scaled_dot_product_attention`` under a causal-and-length mask.
+It is the reference every other backend is tested against, not a fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..core import Batch
+from .base import AttentionContext, BaseAttnBackend
+
+
+@dataclass
+class TorchAttnMetadata:
+    kv_index: torch.Tensor  # [B, max_kv] token slots (padding points at scratch slot 0)
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] True where attention is allowed
+    q_batch: torch.Tensor  # [T] which request each new token belongs to
+    q_offset: torch.Tensor  # [T] its index among that request's new tokens
+    max_q: int
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def __init__(self, ctx: AttentionContext):
+        self.ctx = ctx
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        dev = self.ctx.device
+        q_lens = [r.extend_len for r in batch.reqs]
+        kv_lens = [r.device_len for r in batch.reqs]
+        starts = [r.cached_len for r in batch.reqs]
+        bsz, max_q, max_kv = len(batch.reqs), max(q_lens), max(kv_lens)
+        rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64, device=dev)
+        kv_index = self.ctx.page_table[rows, :max_kv].to(torch.int64)
+        kv_len_t = torch.tensor(kv_lens, device=dev).view(bsz, 1, 1)
+        start_t = torch.tensor(starts, device=dev).view(bsz, 1, 1)
+        key_pos = torch.arange(max_kv, device=dev).view(1, 1, max_kv)
+        q_pos = start_t + torch.arange(max_q, device=dev).view(1, max_q, 1)
+        mask = (key_pos <= q_pos) & (key_pos < kv_len_t)
+        kv_index = torch.where(key_pos[:, 0] < kv_len_t[:, 0], kv_index, torch.zeros_like(kv_index))
+        q_batch = torch.repeat_interleave(torch.arange(bsz, device=dev), torch.tensor(q_lens, device=dev))
+        q_offset = torch.cat([torch.arange(n, device=dev) for n in q_lens])
+        batch.attn_metadata = TorchAttnMetadata(kv_index, mask.unsqueeze(1), q_batch, q_offset, max_q)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        ctx, meta = self.ctx, batch.attn_metadata
+        assert isinstance(meta, TorchAttnMetadata) and batch.out_loc is not None
+        hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
+        pool = ctx.kv_pool
+        pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
+        bsz = meta.kv_index.shape[0]
+        qp = q.new_zeros(bsz, meta.max_q, hq, d)
+        qp[meta.q_batch, meta.q_offset] = q.view(-1, hq, d)
+        kc = pool.k_cache(layer_id).reshape(-1, hkv, d)[meta.kv_index].to(q.dtype)
+        vc = pool.v_cache(layer_id).reshape(-1, hkv, d)[meta.kv_index].to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2),
+            kc.transpose(1, 2),
+            vc.transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=ctx.scale,
+            enable_gqa=hq != hkv,
+        )
+        return out.transpose(1, 2)[meta.q_batch, meta.q_offset].reshape(-1, hq * d)

@@ -1,0 +1,212 @@
+"""The engine: builds the model, KV pool and attention backend, and runs one batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention import AttentionContext, BaseAttnBackend, HybridAttnBackend
+from ..config import EngineConfig
+from ..core import Batch, Req, TokenLogprob, ValidationError
+from ..distributed import Communicator, SingleCommunicator, TPInfo
+from ..kvcache import BaseKVPool, KVCacheManager, KVLayout
+from ..layers import ForwardContext
+from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
+from ..moe import BaseMoEBackend
+from ..plugins import PluginRegistry, load_plugins
+from .sampling import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of one batch, in the order of the requests that sampled."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    declared = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    return declared if declared in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class Engine:
+    """Owns the model and its memory on one device (one tensor-parallel rank)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        registry: PluginRegistry | None = None,
+        *,
+        tp: TPInfo = TPInfo(),
+        comm: Communicator | None = None,
+    ):
+        self.config = config
+        self.registry = registry if registry is not None else load_plugins(config.plugins)
+        self.tp = tp
+        self.comm = comm or SingleCommunicator()
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValidationError("device", "CUDA was requested but torch sees no CUDA device")
+
+        if config.load_format == "dummy" and config.model_config:
+            self.source = None
+            self.hf_config = load_config(ModelSource(path=_dummy_path(config.model)), config.model_config)
+        else:
+            self.source = ModelSource.from_path(config.model)
+            self.hf_config = load_config(self.source, config.model_config)
+        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        if not archs:
+            raise ModelLoadError(f"the config of '{config.model}' names no architecture (config.architectures is empty)")
+        self.architecture = archs[0]
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+
+        self._build_components()
+        t0 = time.perf_counter()
+        self.model = self._build_model()
+        logger.info("model %s loaded in %.1fs", self.architecture, time.perf_counter() - t0)
+        self.max_model_len = self._max_model_len()
+        self.kv_pool, self.kv = self._build_kv()
+        self.attn = self._build_attention()
+        self.sampler = Sampler(self.device, config.seed)
+
+    # ------------------------------------------------------------------ build
+    def _max_model_len(self) -> int:
+        limit = self.model.max_positions
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValidationError(
+                    "max_model_len", f"{self.config.max_model_len} exceeds the model's maximum context {limit}"
+                )
+            return self.config.max_model_len
+        return limit
+
+    def _build_components(self) -> None:
+        reg, dev = self.registry, self.device.type
+        self.model_spec = reg.get("model", self.architecture)
+        self.kv_pool_spec = reg.pick("kv_pool", self.config.kv_pool, dev)
+        self.prefix_cache_spec = reg.pick("prefix_cache", self.config.prefix_cache, dev)
+        names = [n.strip() for n in self.config.attention_backend.split(",")]
+        if len(names) not in (1, 2) or not all(names):
+            raise ValidationError("attention_backend", f"expected NAME or PREFILL,DECODE, got '{self.config.attention_backend}'")
+        self.attn_specs = [reg.pick("attention", n, dev) for n in names]
+        self.moe_backend: BaseMoEBackend | None = None
+        if self._is_moe():
+            self.moe_backend = reg.pick("moe", self.config.moe_backend, dev).build()
+
+    def _is_moe(self) -> bool:
+        return bool(getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0))
+
+    def _build_model(self) -> CausalLM:
+        ctx = ModelContext(self.hf_config, self.dtype, self.device, self.tp, self.comm, self.moe_backend)
+        model = self.model_spec.build(ctx)
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"model factory for {self.architecture} returned {type(model).__name__}, not a CausalLM")
+        if self.config.load_format == "dummy":
+            gen = torch.Generator(device="cpu").manual_seed(self.config.seed)
+            for p in model.parameters():
+                p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+        else:
+            assert self.source is not None
+            model.load_weights(iter_weights(self.source))
+        return model.eval()
+
+    def _num_pages(self, layout_bytes_per_token: int) -> int:
+        cfg = self.config
+        ps = cfg.page_size
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        want_tokens = cfg.max_running_requests * self.max_model_len
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.mem_fraction)
+        else:
+            budget = int(cfg.cpu_kv_cache_gb * (1 << 30))
+        tokens = min(want_tokens, budget // layout_bytes_per_token)
+        return max(2, tokens // ps + 1)
+
+    def _build_kv(self) -> tuple[BaseKVPool, KVCacheManager]:
+        cfg, hf = self.config, self.hf_config
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        local_kv = max(1, kv_heads // self.tp.size)
+        probe = KVLayout(hf.num_hidden_layers, 2, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
+        num_pages = self._num_pages(probe.bytes_per_token())
+        layout = KVLayout(hf.num_hidden_layers, num_pages, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
+        pool = self.kv_pool_spec.build(layout)
+        cache = self.prefix_cache_spec.build(page_size=cfg.page_size, device=self.device)
+        manager = KVCacheManager(num_pages, cfg.page_size, cfg.max_running_requests, self.max_model_len, cache, self.device)
+        logger.info(
+            "KV pool: %d pages of %d tokens (%.2f GiB)",
+            num_pages, cfg.page_size, layout.bytes_per_token() * layout.num_slots / (1 << 30),
+        )
+        return pool, manager
+
+    def _build_attention(self) -> BaseAttnBackend:
+        hf = self.hf_config
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        ctx = AttentionContext(
+            num_qo_heads=heads // self.tp.size,
+            num_kv_heads=max(1, kv_heads // self.tp.size),
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            page_size=self.config.page_size,
+            kv_pool=self.kv_pool,
+            page_table=self.kv.table,
+            max_batch_size=self.config.max_running_requests,
+            max_seq_len=self.kv.max_seq_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        backends = [spec.build(ctx) for spec in self.attn_specs]
+        if len(backends) == 1:
+            return backends[0]
+        if self.attn_specs[0].name == self.attn_specs[1].name:
+            return backends[0]
+        return HybridAttnBackend(backends[0], backends[1])
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> StepResult:
+        """Run ``batch`` (tensors already prepared) and sample for requests that finish their prompt."""
+        assert batch.input_ids is not None and batch.positions is not None
+        self.attn.prepare_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
+        sampling = [i for i, s in enumerate(batch.sample_mask) if s]
+        if not sampling:
+            return StepResult([], [])
+        ends = torch.tensor([r.extend_len for r in batch.reqs], device=hidden.device).cumsum(0) - 1
+        rows = ends[torch.tensor(sampling, device=hidden.device)] if len(sampling) < len(batch.reqs) else ends
+        logits = self.model.compute_logits(hidden[rows])
+        reqs: list[Req] = [batch.reqs[i] for i in sampling]
+        result = self.sampler.sample(logits, reqs)
+        return StepResult(result.tokens.tolist(), result.logprobs)
+
+    @torch.inference_mode()
+    def prefill_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits at every new position of ``batch`` (for tests and scoring)."""
+        assert batch.input_ids is not None and batch.positions is not None
+        self.attn.prepare_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
+        return self.model.compute_logits(hidden)
+
+
+def _dummy_path(model: str) -> Any:
+    from pathlib import Path
+
+    return Path(model or ".")

@@ -1,0 +1,127 @@
+"""Token sampling on the device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import Req, TokenLogprob
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [N] int64, on the device
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix, each row with its request's params.
+
+    Unseeded rows draw from this sampler's own generator (seeded by the engine
+    seed), so two engines in one process never share random state. A row with a
+    ``seed`` uses noise derived from ``(seed, step)`` only, so its output does not
+    depend on what else is in the batch.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
+        logits = logits.float()
+        raw = logits
+        if any(r.params.has_penalty for r in reqs):
+            logits = self._apply_penalties(logits.clone(), reqs)
+        logprobs = self._logprobs(raw, reqs) if any(r.params.logprobs is not None for r in reqs) else [None] * len(reqs)
+        greedy = [r.params.greedy for r in reqs]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, reqs, greedy)
+        if any(lp is not None for lp in logprobs):
+            chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens.view(-1, 1)).view(-1).tolist()
+            ids = tokens.tolist()
+            for i, lp in enumerate(logprobs):
+                if lp is not None:
+                    lp.token_id, lp.logprob = ids[i], chosen[i]
+        for r in reqs:
+            r.step_seed += 1
+        return SampleResult(tokens, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, reqs: list[Req], greedy: list[bool]) -> torch.Tensor:
+        n, vocab = logits.shape
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(reqs, greedy)], device=dev)
+        scaled = logits / temps.view(-1, 1)
+        if any(r.params.top_k > 1 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in reqs):
+            scaled = self._filter(scaled, reqs)
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None and not greedy[i]:
+                g = torch.Generator(device=dev)
+                g.manual_seed((r.params.seed * _SEED_MIX + r.step_seed) & 0x7FFF_FFFF_FFFF_FFFF)
+                noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=dev)
+            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        dev = scaled.device
+        vocab = scaled.shape[1]
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev).view(1, -1)
+        remove = ranks >= top_k.view(-1, 1)
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        remove |= (probs.cumsum(dim=-1) - probs) >= top_p.view(-1, 1)
+        remove |= probs < min_p.view(-1, 1) * probs[:, :1]
+        remove[:, 0] = False
+        filtered = sorted_logits.masked_fill(remove, float("-inf"))
+        return torch.empty_like(scaled).scatter_(1, order, filtered)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.has_penalty:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.int64, device=row.device)
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if r.output_ids and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                out = torch.tensor(r.output_ids, dtype=torch.int64, device=row.device)
+                counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, reqs: list[Req]) -> list[TokenLogprob | None]:
+        want = [r.params.logprobs for r in reqs]
+        k = max((w for w in want if w is not None), default=0)
+        logp = torch.log_softmax(raw, dim=-1)
+        top_vals, top_ids = (logp.topk(k, dim=-1) if k > 0 else (None, None))
+        out: list[TokenLogprob | None] = []
+        tv = top_vals.tolist() if top_vals is not None else None
+        ti = top_ids.tolist() if top_ids is not None else None
+        for i, w in enumerate(want):
+            if w is None:
+                out.append(None)
+                continue
+            top = list(zip(ti[i][:w], tv[i][:w])) if (ti is not None and tv is not None and w > 0) else []
+            out.append(TokenLogprob(token_id=-1, logprob=0.0, top=top))
+        return out

@@ -1,0 +1,201 @@
+"""Page accounting: the free list, the request-to-slot table and the prefix cache.
+
+Every page of the pool is, at any time, exactly one of: free, owned by the
+prefix cache, or owned by one live request. Page 0 is a scratch page that is
+never handed out (padded batch entries write there), so ``num_pages - 1`` pages
+are usable. :meth:`KVCacheManager.check_accounting` verifies all of this.
+
+Admission reserves, for every running request, the pages it can still need
+(prompt plus ``max_new_tokens``); a request is admitted only when free plus
+evictable pages cover every reservation, so a running request never runs out
+of memory mid-generation and nothing has to be preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import Req
+from .base import BasePrefixCache
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _RowState:
+    alloc_len: int = 0  # slots written into the table row (a multiple of page_size)
+    reserved_pages: int = 0  # pages this request may still take from the free list
+
+
+class KVCacheManager:
+    """Allocates KV slots to requests and hands finished prefixes to the prefix cache."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_reqs: int,
+        max_seq_len: int,
+        cache: BasePrefixCache,
+        device: torch.device,
+    ):
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_reqs = max_reqs
+        self.max_seq_len = _cdiv(max_seq_len, page_size) * page_size
+        self.cache = cache
+        self.device = device
+        # The device table feeds attention backends; the CPU mirror serves bookkeeping
+        # without reading back from the device.
+        self.cpu_table = torch.zeros((max_reqs, self.max_seq_len), dtype=torch.int32)
+        self.table = self.cpu_table if device.type == "cpu" else self.cpu_table.to(device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+        self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+        self._rows: dict[int, _RowState] = {}
+        self._reserved_total = 0
+
+    # ----------------------------------------------------------------- capacity
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def cache_pages(self) -> int:
+        return self.cache.total_size() // self.page_size
+
+    @property
+    def used_pages(self) -> int:
+        """Pages not on the free list (owned by requests or the prefix cache)."""
+        return self.usable_pages - self.free_pages
+
+    def available_pages(self) -> int:
+        """Pages a new request may reserve: free and evictable, minus earlier reservations."""
+        return self.free_pages + self.cache.evictable_size // self.page_size - self._reserved_total
+
+    def pages_for(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.page_size)
+
+    def fits_ever(self, req: Req) -> bool:
+        """Whether ``req`` could run on an otherwise empty pool."""
+        return self.pages_for(req.max_total_len) <= self.usable_pages and req.max_total_len <= self.max_seq_len
+
+    # --------------------------------------------------------------- admission
+    def try_admit(self, req: Req) -> bool:
+        """Match the prompt's cached prefix, lock it and reserve the rest; False if it does not fit now."""
+        if not self._free_rows:
+            return False
+        # Always compute at least the last prompt token: its logits start decoding.
+        match = self.cache.match_prefix(req.input_ids[: req.prompt_len - 1])
+        self.cache.lock(match.handle)
+        need = self.pages_for(req.max_total_len) - match.length // self.page_size
+        if need > self.available_pages():
+            self.cache.unlock(match.handle)
+            return False
+        row = self._free_rows.pop()
+        if match.length:
+            self.cpu_table[row, : match.length] = match.slots.to(torch.int32)
+            if self.table is not self.cpu_table:
+                self.table[row, : match.length] = match.slots.to(self.device, torch.int32)
+        self._rows[row] = _RowState(alloc_len=match.length, reserved_pages=need)
+        self._reserved_total += need
+        req.table_idx = row
+        req.cache_handle = match.handle
+        req.prefix_len = match.length
+        req.cached_len = match.length
+        return True
+
+    def allocate(self, req: Req, upto: int) -> torch.Tensor:
+        """Make sure ``req`` has slots for positions ``[0, upto)``; return slots ``[cached_len, upto)``."""
+        state = self._rows[req.table_idx]
+        if upto > state.alloc_len:
+            new_pages = self.pages_for(upto) - state.alloc_len // self.page_size
+            pages = self._take_pages(new_pages)
+            state.reserved_pages -= new_pages
+            self._reserved_total -= new_pages
+            offsets = torch.arange(self.page_size, dtype=torch.int32)
+            slots = (pages.view(-1, 1) * self.page_size + offsets).view(-1)
+            end = state.alloc_len + slots.numel()
+            self.cpu_table[req.table_idx, state.alloc_len : end] = slots
+            if self.table is not self.cpu_table:
+                self.table[req.table_idx, state.alloc_len : end] = slots.to(self.device, non_blocking=True)
+            state.alloc_len = end
+        return self.cpu_table[req.table_idx, req.cached_len : upto].to(torch.int64)
+
+    def _take_pages(self, n: int) -> torch.Tensor:
+        if n > len(self._free_pages):
+            freed = self.cache.evict((n - len(self._free_pages)) * self.page_size)
+            self._return_slots(freed)
+        if n > len(self._free_pages):
+            raise RuntimeError(  # admission reserves pages, so this is a bug, not user error
+                f"KV pool exhausted: need {n} pages, {len(self._free_pages)} free after eviction"
+            )
+        taken = self._free_pages[len(self._free_pages) - n :]
+        del self._free_pages[len(self._free_pages) - n :]
+        return torch.tensor(taken, dtype=torch.int32)
+
+    def _return_slots(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            pages = (slots[:: self.page_size] // self.page_size).tolist()
+            self._free_pages.extend(int(p) for p in pages)
+
+    # ----------------------------------------------------------------- release
+    def release(self, req: Req) -> None:
+        """Return ``req``'s row and pages; its computed prefix goes to the prefix cache."""
+        if req.table_idx < 0:
+            return
+        row = req.table_idx
+        state = self._rows.pop(row)
+        slots = self.cpu_table[row, : state.alloc_len].to(torch.int64)
+        aligned = (req.cached_len // self.page_size) * self.page_size
+        kept_from = aligned
+        if aligned > req.prefix_len:
+            # Tokens [0, aligned) have valid KV; the cache keeps slots[n:aligned].
+            kept_from = max(self.cache.insert(req.all_ids[:aligned], slots[:aligned]), req.prefix_len)
+        self._return_slots(slots[req.prefix_len : kept_from])
+        self._return_slots(slots[max(aligned, req.prefix_len) : state.alloc_len])
+        self.cache.unlock(req.cache_handle)
+        self._reserved_total -= state.reserved_pages
+        self._free_rows.append(row)
+        req.table_idx = -1
+        req.cache_handle = None
+
+    def reset_cache(self) -> None:
+        """Evict everything unlocked from the prefix cache."""
+        self._return_slots(self.cache.reset())
+
+    # -------------------------------------------------------------- accounting
+    def check_accounting(self, live: list[Req]) -> None:
+        """Assert that every usable page is free, cached, or owned by one live request."""
+        owner: dict[int, str] = {}
+
+        def claim(pages: list[int], who: str) -> None:
+            for p in pages:
+                assert 0 < p < self.num_pages, f"page {p} out of range (owner {who})"
+                assert p not in owner, f"page {p} owned by both {owner[p]} and {who}"
+                owner[p] = who
+
+        claim(list(self._free_pages), "free list")
+        cache_slots = self.cache.all_slots()
+        claim(sorted({int(s) // self.page_size for s in cache_slots.tolist()}), "prefix cache")
+        for req in live:
+            if req.table_idx < 0:
+                continue
+            state = self._rows[req.table_idx]
+            pages = self.cpu_table[req.table_idx, req.prefix_len : state.alloc_len : self.page_size] // self.page_size
+            claim([int(p) for p in pages.tolist()], f"request {req.rid}")
+        self.cache.check_integrity()
+        assert len(owner) == self.usable_pages, (
+            f"{self.usable_pages - len(owner)} pages leaked: {len(self._free_pages)} free, "
+            f"{len(owner) - len(self._free_pages)} owned, {self.usable_pages} usable"
+        )
+        assert len(self._rows) == sum(1 for r in live if r.table_idx >= 0), "table rows leaked"

@@ -1,0 +1,31 @@
+"""The built-in paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BaseKVPool, KVLayout
+
+
+class MHAKVPool(BaseKVPool):
+    """One K and one V buffer per layer, ``[num_pages, page_size, kv_heads, head_dim]``.
+
+    Both live in a single allocation so the pool is one tensor to size and free.
+    """
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        shape = (2, layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        self._buffer = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+        flat = (2, layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+        self._flat = self._buffer.view(flat)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self._buffer[0, layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self._buffer[1, layer]
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
+        self._flat[0, layer].index_copy_(0, out_loc, k.to(self.layout.dtype))
+        self._flat[1, layer].index_copy_(0, out_loc, v.to(self.layout.dtype))

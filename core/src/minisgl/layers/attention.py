@@ -1,0 +1,58 @@
+"""Self-attention with rotary embedding over the paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import Communicator, TPInfo
+from .context import ForwardContext
+from .linear import QKVParallelLinear, RowParallelLinear
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+class AttentionBlock(nn.Module):
+    """q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rope, attention, output projection."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        *,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        rotary: RotaryEmbedding,
+        tp: TPInfo,
+        comm: Communicator,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        self.layer_id = layer_id
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, dtype=dtype, device=device)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, dtype=dtype, device=device)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.rotary = rotary  # shared by every layer: one cos/sin table per model
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.attn.forward(q.reshape(-1, q_size), k.reshape(-1, kv_size), v.contiguous(), self.layer_id, ctx.batch)
+        return self.o_proj(out)

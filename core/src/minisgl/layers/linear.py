@@ -1,0 +1,175 @@
+"""Tensor-parallel linear layers.
+
+Every parameter carries a ``weight_loader(param, tensor, shard_id=None)`` that
+copies this rank's slice of a full checkpoint tensor, so model files never deal
+with sharding. ``shard_id`` selects a part of a fused weight ("q"/"k"/"v" or
+the index of a merged column block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import Communicator, SingleCommunicator, TPInfo
+
+WeightLoader = Callable[..., None]
+
+
+def set_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, device: torch.device | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        set_loader(self.weight, self.load_weight)
+        if self.bias is not None:
+            set_loader(self.bias, self.load_weight)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        default_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, dtype=None, device=None):
+        super().__init__(in_features, out_features, bias, dtype, device)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the output stays sharded.
+
+    ``output_sizes`` lists the blocks of a merged weight (e.g. gate and up);
+    each block is split across ranks separately.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        *,
+        tp: TPInfo = TPInfo(),
+        dtype=None,
+        device=None,
+    ):
+        self.tp = tp
+        self.local_sizes = [tp.shard(s, "linear output size") for s in output_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias, dtype, device)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        index = 0 if shard_id is None else int(shard_id)
+        if shard_id is None and len(self.local_sizes) > 1:
+            raise ValueError("a merged column-parallel weight needs a shard_id for each block")
+        size = self.local_sizes[index]
+        offset = sum(self.local_sizes[:index])
+        part = loaded.narrow(0, self.tp.rank * size, size)
+        default_loader_slice(param, part, offset, size)
+
+
+class QKVParallelLinear(LinearBase):
+    """Fused q/k/v projection with heads split across ranks.
+
+    With fewer KV heads than ranks, KV heads are replicated: rank ``r`` holds
+    KV head ``r * num_kv_heads // tp.size``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        *,
+        tp: TPInfo = TPInfo(),
+        dtype=None,
+        device=None,
+    ):
+        self.tp = tp
+        self.head_dim = head_dim
+        self.local_heads = tp.shard(num_heads, "number of attention heads")
+        if num_kv_heads >= tp.size:
+            self.local_kv_heads = tp.shard(num_kv_heads, "number of KV heads")
+            self.kv_head_start = tp.rank * self.local_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of the KV head count {num_kv_heads}")
+            self.local_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        q, kv = self.local_heads * head_dim, self.local_kv_heads * head_dim
+        self.sizes = {"q": q, "k": kv, "v": kv}
+        super().__init__(hidden_size, q + 2 * kv, bias, dtype, device)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in self.sizes:
+            raise ValueError(f"QKV weight needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+        size = self.sizes[shard_id]
+        offset = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}[shard_id]
+        if shard_id == "q":
+            start = self.tp.rank * size
+        else:
+            start = self.kv_head_start * self.head_dim
+        default_loader_slice(param, loaded.narrow(0, start, size), offset, size)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed (all-reduce)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        tp: TPInfo = TPInfo(),
+        comm: Communicator | None = None,
+        dtype=None,
+        device=None,
+    ):
+        self.tp = tp
+        self.comm = comm or SingleCommunicator()
+        super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, dtype, device)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if param.dim() == 2:
+            size = param.shape[1]
+            loaded = loaded.narrow(1, self.tp.rank * size, size)
+        default_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp.size > 1:
+            y = self.comm.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def default_loader_slice(param: nn.Parameter, part: torch.Tensor, offset: int, size: int) -> None:
+    target = param.data.narrow(0, offset, size)
+    if target.shape != part.shape:
+        raise ValueError(f"checkpoint slice has shape {tuple(part.shape)}, expected {tuple(target.shape)}")
+    target.copy_(part)

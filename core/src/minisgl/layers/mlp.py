@@ -1,0 +1,45 @@
+"""The gated MLP (SwiGLU and friends)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import Communicator, TPInfo
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str):  # noqa: ANN201 - returns a tensor function
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation '{name}'; supported: {', '.join(ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel weight."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "silu",
+        *,
+        tp: TPInfo,
+        comm: Communicator,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], tp=tp, dtype=dtype, device=device
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, comm=comm, dtype=dtype, device=device)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,31 @@
+"""RMSNorm with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import default_loader, set_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6, *, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        set_loader(self.weight, default_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts it."""
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,171 @@
+"""The offline Python API: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import EngineConfig
+from .core import SamplingParams, TokenLogprob
+from .engine import Engine
+from .models import ModelSource, load_tokenizer
+from .plugins import PluginRegistry
+from .scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def eos_ids(hf_config: Any, tokenizer: Any, source: ModelSource | None) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in found:
+                found.append(v)
+
+    if source is not None and not source.gguf_file:
+        try:
+            from transformers import GenerationConfig
+
+            add(GenerationConfig.from_pretrained(source.path).eos_token_id)
+        except (OSError, ValueError):
+            pass
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)
+
+
+def stop_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Cut ``text`` at the first stop string; whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class LLM:
+    """An engine and scheduler in this process, for batch generation.
+
+    Keyword arguments are :class:`~minisgl.config.EngineConfig` fields.
+    """
+
+    def __init__(self, model: str, *, registry: PluginRegistry | None = None, tokenizer: Any = None, **kwargs: Any):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = Engine(self.config, registry)
+        if tokenizer is None and self.engine.source is not None:
+            tokenizer = load_tokenizer(self.engine.source)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_ids(self.engine.hf_config, tokenizer, self.engine.source)
+        detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+        self.scheduler = Scheduler(self.engine, eos_token_ids=self.eos_token_ids, detokenize=detok)
+        self._closed = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the engine's memory. The object is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(req.rid)
+        del self.scheduler, self.engine
+        import gc
+
+        gc.collect()
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this LLM has no tokenizer; pass token id lists as prompts")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        if self._closed:
+            raise RuntimeError("this LLM has been closed")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} sampling params")
+        sched = self.scheduler
+        reqs = []
+        try:
+            for p, sp in zip(prompt_list, param_list):
+                reqs.append(sched.add_request(self.encode(p), sp))  # type: ignore[arg-type]
+            bar = _progress(len(reqs), use_tqdm)
+            while any(not r.is_finished for r in reqs):
+                events = sched.step()
+                if bar is not None:
+                    bar.update(sum(1 for e in events if e.finished))
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            for r in reqs:
+                sched.abort(r.rid)
+            raise
+        return [self._output(r) for r in reqs]
+
+    def _output(self, req: Any) -> RequestOutput:
+        text = ""
+        reason = req.finish_reason or "length"
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+            if req.params.stop_strings:
+                text, _ = stop_text(text, req.params.stop_strings)
+        return RequestOutput(
+            prompt_token_ids=req.input_ids,
+            token_ids=list(req.output_ids),
+            text=text,
+            finish_reason=reason,
+            cached_tokens=req.prefix_len,
+            logprobs=list(req.logprobs),
+        )
+
+    def check_accounting(self) -> None:
+        """Assert that every KV page is free, cached, or owned by a live request."""
+        self.scheduler.check_accounting()
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        """Pages owned by live requests (not free and not held by the prefix cache)."""
+        kv = self.scheduler.kv
+        return kv.used_pages - kv.cache_pages
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled or total < 2:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc="generate", unit="req", leave=False)

@@ -1,0 +1,154 @@
+"""The model base class that architecture files build on.
+
+A decoder-only model is an embedding, ``num_hidden_layers`` decoder layers and
+a final norm plus LM head. An architecture file subclasses :class:`CausalLM`
+and says how to build one decoder layer (:meth:`CausalLM.make_layer`), usually
+from :class:`DecoderLayer`, :class:`~minisgl.layers.AttentionBlock` and
+:class:`~minisgl.layers.GatedMLP`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import Communicator, SingleCommunicator, TPInfo
+from ..layers import ForwardContext, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
+from ..moe import BaseMoEBackend
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """Everything a model factory is built from."""
+
+    config: Any  # a transformers PretrainedConfig
+    dtype: torch.dtype
+    device: torch.device
+    tp: TPInfo = TPInfo()
+    comm: Communicator = SingleCommunicator()
+    moe_backend: BaseMoEBackend | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, *, dtype, device):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
+        return self.mlp(x), residual
+
+
+# Checkpoint names that are fused into one parameter here: (fused, original, shard id).
+STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, embed: nn.Module, layers: nn.ModuleList, norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed
+        self.layers = layers
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal language model over the paged KV cache.
+
+    Parameter names follow Hugging Face checkpoints (``model.layers.0...``,
+    ``lm_head.weight``) so :meth:`load_weights` needs no per-model table.
+    """
+
+    stacked_params: tuple[tuple[str, str, Any], ...] = STACKED_PARAMS
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx = ctx
+        self.config = cfg
+        kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device}
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = RotaryEmbedding(head_dim, self.max_positions, rope_parameters(cfg), device=ctx.device)
+        embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
+        layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
+        self.model = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = embed.weight
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 4096))
+
+    def make_layer(self, layer_id: int) -> nn.Module:
+        """Build decoder layer ``layer_id``; architecture files override this."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states ``[tokens, hidden]`` after the final norm."""
+        hidden = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.model.norm.forward_with_residual(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits for the given hidden states."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into this rank's parameters; error on anything missing."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard = self.map_weight_name(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                raise KeyError(f"parameter '{target}' has no weight loader")
+            loader(param, tensor.to(param.dtype), shard) if shard is not None else loader(param, tensor.to(param.dtype))
+            loaded.add(target)
+        expected = {n for n, _ in self.named_parameters()}
+        if self.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise KeyError(f"checkpoint is missing weights for: {shown}")
+
+    def map_weight_name(self, name: str) -> tuple[str, Any]:
+        """Checkpoint name -> (parameter name, shard id or None)."""
+        for fused, original, shard in self.stacked_params:
+            if original in name:
+                return name.replace(original, fused), shard
+        return name, None

@@ -1,0 +1,120 @@
+"""Reading models from disk: Hugging Face directories (safetensors) and GGUF files."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ModelLoadError(ValueError):
+    """The model path, config or weights cannot be used; the message says why."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: an HF-format directory or a single ``.gguf`` file."""
+
+    path: Path
+    gguf_file: str | None = None
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str]) -> ModelSource:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise ModelLoadError(f"model path '{p}' does not exist (expected a Hugging Face model directory or a .gguf file)")
+        if p.is_file():
+            if p.suffix != ".gguf":
+                raise ModelLoadError(f"model file '{p}' is not a .gguf file; pass a model directory or a .gguf file")
+            return cls(p.parent, p.name)
+        if not (p / "config.json").exists():
+            raise ModelLoadError(f"model directory '{p}' has no config.json")
+        return cls(p)
+
+    @property
+    def display(self) -> str:
+        return str(self.path / self.gguf_file) if self.gguf_file else str(self.path)
+
+
+def load_config(source: ModelSource, config_path: str | None = None) -> Any:
+    """The transformers config, from ``config_path`` if given, else from the model."""
+    from transformers import AutoConfig
+
+    try:
+        if config_path is not None:
+            with open(config_path) as f:
+                data = json.load(f)
+            model_type = data.get("model_type")
+            if model_type is None:
+                raise ModelLoadError(f"config '{config_path}' has no model_type")
+            return AutoConfig.for_model(**data)
+        if source.gguf_file:
+            return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        return AutoConfig.from_pretrained(source.path)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the model config of '{source.display}': {exc}") from exc
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The model's tokenizer, or None for a directory that ships none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if not source.gguf_file and not any((source.path / f).exists() for f in TOKENIZER_FILES):
+        return None
+    try:
+        if source.gguf_file:
+            return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        return AutoTokenizer.from_pretrained(source.path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from '{source.display}': {exc}") from exc
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors one by one, in Hugging Face naming."""
+    if source.gguf_file:
+        yield from _iter_gguf(source)
+        return
+    from safetensors import safe_open
+
+    index = source.path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in source.path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(source.path.glob("*.bin"))
+        if bins:
+            for b in bins:
+                state = torch.load(b, map_location="cpu", weights_only=True)
+                yield from state.items()
+            return
+        raise ModelLoadError(f"no *.safetensors weights in '{source.path}'")
+    for name in files:
+        with safe_open(str(source.path / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize a GGUF checkpoint through transformers' GGUF reader (name mapping included)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:  # pragma: no cover
+        raise ModelLoadError("loading .gguf files needs transformers") from exc
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError("loading .gguf files needs the 'gguf' package: pip install gguf accelerate") from exc
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    yield from model.state_dict().items()

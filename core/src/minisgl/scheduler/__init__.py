@@ -1,0 +1,5 @@
+"""Continuous batching over an engine."""
+
+from .scheduler import Scheduler, TokenEvent
+
+__all__ = ["Scheduler", "TokenEvent"]

@@ -1,0 +1,1 @@
+"""Llama-family models (Llama, Mistral, Qwen2, Qwen3 dense) for minisgl."""
