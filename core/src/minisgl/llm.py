@@ -37,7 +37,7 @@ def eos_ids(hf_config: Any, tokenizer: Any, source: ModelSource | None) -> tuple
             if isinstance(v, int) and v not in found:
                 found.append(v)
 
-    if source is not None and not source.gguf_file:
+    if source is not None:
         try:
             from transformers import GenerationConfig
 

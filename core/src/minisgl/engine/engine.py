@@ -69,7 +69,7 @@ class Engine:
         else:
             self.source = ModelSource.from_path(config.model)
             self.hf_config = load_config(self.source, config.model_config)
-        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        archs = list(getattr(self.hf_config, "architectures", None) or []) or _causal_lm_for(self.hf_config)
         if not archs:
             raise ModelLoadError(f"the config of '{config.model}' names no architecture (config.architectures is empty)")
         self.architecture = archs[0]
@@ -204,6 +204,14 @@ class Engine:
         self.attn.prepare_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
         return self.model.compute_logits(hidden)
+
+
+def _causal_lm_for(hf_config: Any) -> list[str]:
+    """Architecture name for a config that names none (GGUF files), from its model_type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""))
+    return [name] if isinstance(name, str) else []
 
 
 def _dummy_path(model: str) -> Any:

@@ -18,10 +18,10 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class ModelSource:
-    """Where a model comes from: an HF-format directory or a single ``.gguf`` file."""
+    """Where a model comes from: an HF-format directory (a ``.gguf`` file is converted into one)."""
 
     path: Path
-    gguf_file: str | None = None
+    origin: Path | None = None  # the .gguf file this directory was made from
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> ModelSource:
@@ -31,14 +31,16 @@ class ModelSource:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file '{p}' is not a .gguf file; pass a model directory or a .gguf file")
-            return cls(p.parent, p.name)
+            from .gguf import gguf_to_hf_dir
+
+            return cls(gguf_to_hf_dir(p), origin=p)
         if not (p / "config.json").exists():
             raise ModelLoadError(f"model directory '{p}' has no config.json")
         return cls(p)
 
     @property
     def display(self) -> str:
-        return str(self.path / self.gguf_file) if self.gguf_file else str(self.path)
+        return str(self.origin or self.path)
 
 
 def load_config(source: ModelSource, config_path: str | None = None) -> Any:
@@ -53,8 +55,6 @@ def load_config(source: ModelSource, config_path: str | None = None) -> Any:
             if model_type is None:
                 raise ModelLoadError(f"config '{config_path}' has no model_type")
             return AutoConfig.for_model(**data)
-        if source.gguf_file:
-            return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
         return AutoConfig.from_pretrained(source.path)
     except ModelLoadError:
         raise
@@ -69,11 +69,9 @@ def load_tokenizer(source: ModelSource) -> Any:
     """The model's tokenizer, or None for a directory that ships none (token-id prompts only)."""
     from transformers import AutoTokenizer
 
-    if not source.gguf_file and not any((source.path / f).exists() for f in TOKENIZER_FILES):
+    if not any((source.path / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
-        if source.gguf_file:
-            return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
         return AutoTokenizer.from_pretrained(source.path)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a tokenizer from '{source.display}': {exc}") from exc
@@ -81,9 +79,6 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors one by one, in Hugging Face naming."""
-    if source.gguf_file:
-        yield from _iter_gguf(source)
-        return
     from safetensors import safe_open
 
     index = source.path / "model.safetensors.index.json"
@@ -104,17 +99,3 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(source.path / name), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
-
-
-def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize a GGUF checkpoint through transformers' GGUF reader (name mapping included)."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as exc:  # pragma: no cover
-        raise ModelLoadError("loading .gguf files needs transformers") from exc
-    try:
-        import gguf  # noqa: F401
-    except ImportError as exc:
-        raise ModelLoadError("loading .gguf files needs the 'gguf' package: pip install gguf accelerate") from exc
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
-    yield from model.state_dict().items()
