@@ -9,6 +9,16 @@ Admission reserves, for every running request, the pages it can still need
 (prompt plus ``max_new_tokens``); a request is admitted only when free plus
 evictable pages cover every reservation, so a running request never runs out
 of memory mid-generation and nothing has to be preempted.
+
+Prefix caching: admission matches the longest cached page-aligned prefix of the
+prompt (minus its last token, whose logits start decoding), locks it and maps
+its slots into the request's table row, so prefill computes only the rest.
+When a request finishes (or is aborted) its computed page-aligned tokens are
+offered to the cache and the lock is dropped. Requests still running share
+too: before each admission, the computed page-aligned prompt prefix of every
+running request is offered to the cache (:meth:`KVCacheManager._share_prefix`),
+so a burst of requests with a common system prompt computes it once rather
+than once per request admitted before the first one finishes.
 """
 
 from __future__ import annotations
@@ -27,8 +37,11 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass
 class _RowState:
+    req: Req
     alloc_len: int = 0  # slots written into the table row (a multiple of page_size)
     reserved_pages: int = 0  # pages this request may still take from the free list
+    shared_len: int = 0  # row slots [0, shared_len) belong to the cache, locked by req.cache_handle
+    offered_len: int = 0  # prompt tokens last offered to the cache while running
 
 
 class KVCacheManager:
@@ -94,6 +107,8 @@ class KVCacheManager:
         """Match the prompt's cached prefix, lock it and reserve the rest; False if it does not fit now."""
         if not self._free_rows:
             return False
+        for row, state in self._rows.items():
+            self._share_prefix(row, state)
         # Always compute at least the last prompt token: its logits start decoding.
         match = self.cache.match_prefix(req.input_ids[: req.prompt_len - 1])
         self.cache.lock(match.handle)
@@ -103,16 +118,57 @@ class KVCacheManager:
             return False
         row = self._free_rows.pop()
         if match.length:
-            self.cpu_table[row, : match.length] = match.slots.to(torch.int32)
-            if self.table is not self.cpu_table:
-                self.table[row, : match.length] = match.slots.to(self.device, torch.int32)
-        self._rows[row] = _RowState(alloc_len=match.length, reserved_pages=need)
+            self._write_row(row, 0, match.slots)
+        self._rows[row] = _RowState(
+            req, alloc_len=match.length, reserved_pages=need, shared_len=match.length, offered_len=match.length
+        )
         self._reserved_total += need
         req.table_idx = row
         req.cache_handle = match.handle
         req.prefix_len = match.length
         req.cached_len = match.length
         return True
+
+    def _share_prefix(self, row: int, state: _RowState) -> None:
+        """Offer a running request's computed page-aligned prompt prefix to the cache.
+
+        If the cache takes it, the request's lock moves to the longer prefix and
+        the row's slots for those tokens become the cache's (pages the cache
+        already held a copy of are freed), exactly as if the request had matched
+        that prefix at admission.
+        """
+        req = state.req
+        end = min(req.cached_len, req.prompt_len)
+        end -= end % self.page_size
+        if end <= state.offered_len:
+            return
+        state.offered_len = end
+        tokens = req.input_ids[:end]
+        slots = self.cpu_table[row, :end].to(torch.int64)
+        kept_from = self.cache.insert(tokens, slots)
+        match = self.cache.match_prefix(tokens)
+        if match.length < end:
+            if kept_from < end:
+                raise RuntimeError(
+                    f"prefix cache {type(self.cache).__name__} kept slots [{kept_from}, {end}) of an insert "
+                    f"but then matched only {match.length} tokens of it"
+                )
+            return  # the cache declined (e.g. "naive"): the request keeps owning its pages
+        self.cache.lock(match.handle)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = match.handle
+        dup_end = max(kept_from, state.shared_len)
+        if dup_end > state.shared_len:
+            # The cache already held these tokens in other pages: use its copy, free ours.
+            self._return_slots(slots[state.shared_len : dup_end])
+            self._write_row(row, state.shared_len, match.slots[state.shared_len : dup_end])
+        state.shared_len = end
+
+    def _write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
+        end = start + slots.numel()
+        self.cpu_table[row, start:end] = slots.to(torch.int32)
+        if self.table is not self.cpu_table:
+            self.table[row, start:end] = slots.to(self.device, torch.int32)
 
     def allocate(self, req: Req, upto: int) -> torch.Tensor:
         """Make sure ``req`` has slots for positions ``[0, upto)``; return slots ``[cached_len, upto)``."""
@@ -156,13 +212,15 @@ class KVCacheManager:
         row = req.table_idx
         state = self._rows.pop(row)
         slots = self.cpu_table[row, : state.alloc_len].to(torch.int64)
+        shared = state.shared_len
         aligned = (req.cached_len // self.page_size) * self.page_size
         kept_from = aligned
-        if aligned > req.prefix_len:
-            # Tokens [0, aligned) have valid KV; the cache keeps slots[n:aligned].
-            kept_from = max(self.cache.insert(req.all_ids[:aligned], slots[:aligned]), req.prefix_len)
-        self._return_slots(slots[req.prefix_len : kept_from])
-        self._return_slots(slots[max(aligned, req.prefix_len) : state.alloc_len])
+        if aligned > shared:
+            # Tokens [0, aligned) have valid KV; the cache keeps slots[n:aligned], and
+            # slots[shared:n] duplicate tokens it already held.
+            kept_from = max(self.cache.insert(req.all_ids[:aligned], slots[:aligned]), shared)
+        self._return_slots(slots[shared:kept_from])
+        self._return_slots(slots[max(aligned, shared) : state.alloc_len])
         self.cache.unlock(req.cache_handle)
         self._reserved_total -= state.reserved_pages
         self._free_rows.append(row)
@@ -191,7 +249,7 @@ class KVCacheManager:
             if req.table_idx < 0:
                 continue
             state = self._rows[req.table_idx]
-            pages = self.cpu_table[req.table_idx, req.prefix_len : state.alloc_len : self.page_size] // self.page_size
+            pages = self.cpu_table[req.table_idx, state.shared_len : state.alloc_len : self.page_size] // self.page_size
             claim([int(p) for p in pages.tolist()], f"request {req.rid}")
         self.cache.check_integrity()
         assert len(owner) == self.usable_pages, (
