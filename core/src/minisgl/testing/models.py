@@ -112,3 +112,22 @@ def smollm2_gguf() -> Path | None:
             if path.exists():
                 return path
     return None
+
+
+def save_word_tokenizer(path: str | Path, vocab_size: int) -> Any:
+    """Save a word-level tokenizer over ``w0 .. w{vocab_size-1}`` (ids 0-2 are special) to ``path``.
+
+    Text round-trips exactly through it ("w5 w17" <-> [5, 17]), which makes
+    stop-string and detokenization tests exact without any downloaded tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab = {**special, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast
