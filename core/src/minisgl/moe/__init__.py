@@ -1,5 +1,6 @@
-"""Mixture-of-experts: the backend interface, routing and the ``torch`` reference."""
+"""Mixture-of-experts: the backend interface, routing, the sparse MoE block and the ``torch`` reference."""
 
 from .base import BaseMoEBackend, route
+from .layer import MoEExperts, SparseMoEBlock, expert_weight_target
 
-__all__ = ["BaseMoEBackend", "route"]
+__all__ = ["BaseMoEBackend", "MoEExperts", "SparseMoEBlock", "expert_weight_target", "route"]

@@ -1,0 +1,184 @@
+"""The sparse mixture-of-experts block: a router and tensor-parallel expert weights.
+
+Expert weights are stacked per expert so that tensor parallelism splits every
+expert the way a dense gated MLP is split: gate and up rows by columns
+(``w13``: ``[experts, 2 * inter / tp, hidden]``, this rank's gate rows then its
+up rows) and down by rows (``w2``: ``[experts, hidden, inter / tp]``). Each rank
+computes a partial sum over its slice of the intermediate dimension and the
+block all-reduces it, so the model file is the same at any tensor-parallel size.
+
+Checkpoints store experts in one of two layouts, and both load:
+
+* per expert (what transformers writes): ``mlp.experts.<e>.gate_proj.weight``
+  ``[inter, hidden]``, ``...up_proj.weight`` and ``...down_proj.weight`` ``[hidden, inter]``;
+* fused (transformers' in-memory layout since 5.0): ``mlp.experts.gate_up_proj``
+  ``[experts, 2 * inter, hidden]`` (gate rows first) and ``mlp.experts.down_proj``
+  ``[experts, hidden, inter]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import Communicator, SingleCommunicator, TPInfo
+from ..layers import ReplicatedLinear
+from .base import BaseMoEBackend, route
+
+# Per-expert checkpoint names: experts.<e>.<gate|up|down>_proj.weight.
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# Fused checkpoint names: experts.gate_up_proj / experts.down_proj (optionally with a .weight suffix).
+_FUSED = re.compile(r"\.experts\.(gate_up|down)_proj(\.weight)?$")
+
+
+def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None:
+    """Map a checkpoint tensor name of an expert to ``(parameter name, shard id)``, or None.
+
+    The shard id is ``(part, expert)``: part is ``"gate"``, ``"up"``, ``"down"``
+    (one expert's matrix) or ``"gate_up"``/``"down"`` with expert ``None`` (all
+    experts at once, the fused layout). Model files call this from
+    :meth:`~minisgl.models.CausalLM.map_weight_name` before the dense mapping.
+    """
+    m = _PER_EXPERT.search(name)
+    if m is not None:
+        expert, part = int(m.group(1)), m.group(2)
+        param = "w2_weight" if part == "down" else "w13_weight"
+        return name[: m.start()] + ".experts." + param, (part, expert)
+    m = _FUSED.search(name)
+    if m is not None:
+        part = m.group(1)
+        param = "w2_weight" if part == "down" else "w13_weight"
+        return name[: m.start()] + ".experts." + param, (part, None)
+    return None
+
+
+class MoEExperts(nn.Module):
+    """The routed experts of one layer: stacked weights, their loaders, the backend call and the all-reduce."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        backend: BaseMoEBackend | None = None,
+        tp: TPInfo = TPInfo(),
+        comm: Communicator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if backend is None:
+            from .torch_backend import TorchMoEBackend
+
+            backend = TorchMoEBackend()
+        self.backend = backend
+        self.tp = tp
+        self.comm = comm or SingleCommunicator()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.local_inter = tp.shard(intermediate_size, "MoE expert intermediate size")
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.local_inter, hidden_size, **kw), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.local_inter, **kw), requires_grad=False
+        )
+        self.w13_weight.weight_loader = self.load_weight  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = self.load_weight  # type: ignore[attr-defined]
+        # Which (part, expert) slices a checkpoint has filled, so a partial checkpoint is an error, not garbage.
+        self._loaded: set[tuple[str, int]] = set()
+
+    # ----------------------------------------------------------------- loading
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's slice of a checkpoint tensor; ``shard_id`` comes from :func:`expert_weight_target`."""
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
+            raise ValueError(f"an expert weight needs a (part, expert) shard id, got {shard_id!r}")
+        part, expert = shard_id
+        experts = range(self.num_experts) if expert is None else [expert]
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}, but the model has {self.num_experts} experts")
+        n, inter, hidden = self.local_inter, self.intermediate_size, self.hidden_size
+        lo = self.tp.rank * n
+        if part in ("gate", "up"):
+            self._check(loaded, (inter, hidden), f"expert {expert} {part}_proj")
+            offset = 0 if part == "gate" else n
+            param.data[expert, offset : offset + n].copy_(loaded[lo : lo + n])
+            self._loaded.add((part, expert))
+        elif part == "down" and expert is not None:
+            self._check(loaded, (hidden, inter), f"expert {expert} down_proj")
+            param.data[expert].copy_(loaded[:, lo : lo + n])
+            self._loaded.add(("down", expert))
+        elif part == "gate_up":
+            self._check(loaded, (self.num_experts, 2 * inter, hidden), "experts.gate_up_proj")
+            param.data[:, :n].copy_(loaded[:, lo : lo + n])
+            param.data[:, n:].copy_(loaded[:, inter + lo : inter + lo + n])
+            self._loaded.update((p, e) for p in ("gate", "up") for e in experts)
+        elif part == "down":
+            self._check(loaded, (self.num_experts, hidden, inter), "experts.down_proj")
+            param.data.copy_(loaded[:, :, lo : lo + n])
+            self._loaded.update(("down", e) for e in experts)
+        else:
+            raise ValueError(f"unknown expert weight part {part!r}; expected gate, up, down or gate_up")
+
+    @staticmethod
+    def _check(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor {what} has shape {tuple(loaded.shape)}, expected {expected}")
+
+    def missing_weights(self) -> list[str]:
+        """Expert matrices no checkpoint tensor has filled, e.g. ``['expert 3 up_proj']``."""
+        return [
+            f"expert {e} {p}_proj"
+            for e in range(self.num_experts)
+            for p in ("gate", "up", "down")
+            if (p, e) not in self._loaded
+        ]
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = self.backend.forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.tp.size > 1:
+            out = self.comm.all_reduce(out)
+        return out
+
+
+class SparseMoEBlock(nn.Module):
+    """Top-k softmax router (``gate``, replicated) followed by the routed experts (``experts``).
+
+    ``renormalize`` rescales each token's top-k weights to sum to one
+    (Qwen3-MoE's ``norm_topk_prob``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        renormalize: bool,
+        backend: BaseMoEBackend | None = None,
+        tp: TPInfo = TPInfo(),
+        comm: Communicator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top-k ({top_k}) must be between 1 and the number of experts ({num_experts})")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype, device=device)
+        self.experts = MoEExperts(
+            num_experts, hidden_size, intermediate_size, backend=backend, tp=tp, comm=comm, dtype=dtype, device=device
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(hidden), self.top_k, self.renormalize)
+        return self.experts(hidden, weights, ids)

@@ -1,0 +1,1 @@
+"""Qwen3-MoE models and the ``fused`` (Triton) mixture-of-experts backend for minisgl."""
