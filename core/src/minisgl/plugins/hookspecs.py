@@ -22,6 +22,7 @@ import pluggy
 
 from .specs import (
     AttentionBackendSpec,
+    Kind,
     KVPoolSpec,
     ModelSpec,
     MoEBackendSpec,
@@ -30,7 +31,17 @@ from .specs import (
 
 PROJECT = "minisgl"
 hookspec = pluggy.HookspecMarker(PROJECT)
+#: Decorate each hook function of a plugin's entry module with this.
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: The hook that declares each component kind.
+HOOKS: dict[Kind, str] = {
+    "model": "minisgl_models",
+    "attention": "minisgl_attention_backends",
+    "kv_pool": "minisgl_kv_cache_pools",
+    "prefix_cache": "minisgl_prefix_caches",
+    "moe": "minisgl_moe_backends",
+}
 
 
 @hookspec

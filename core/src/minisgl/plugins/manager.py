@@ -1,183 +1,122 @@
-"""Plugin discovery and the registries built from it.
+"""Plugin discovery and loading.
 
 :func:`load_plugins` finds modules registered under the ``minisgl`` entry-point
-group, imports them, calls their hooks once and returns a :class:`PluginRegistry`:
-plain dictionaries from component names to specs. There is no module-level
-state: every engine (and every test) may build its own registry.
+group, filters them (allow/block lists, core version), imports them, calls their
+hooks once and returns a :class:`~minisgl.plugins.registry.PluginRegistry`.
+There is no module-level state: every engine (and every test) may build its own.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
-import logging
 import os
 import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
 from . import hookspecs
+from .errors import PluginError, PluginWarning
+from .registry import PluginInfo, PluginRegistry, RegistryBuilder
 from .specs import ALL_SPEC_TYPES, ComponentSpec, Kind
-
-logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "minisgl"
 BUILTIN = "builtin"
-
-Status = Literal["active", "disabled", "failed", "incompatible"]
-
-_HOOKS: dict[Kind, str] = {
-    "model": "minisgl_models",
-    "attention": "minisgl_attention_backends",
-    "kv_pool": "minisgl_kv_cache_pools",
-    "prefix_cache": "minisgl_prefix_caches",
-    "moe": "minisgl_moe_backends",
-}
-
-KIND_LABELS: dict[Kind, str] = {
-    "model": "model architecture",
-    "attention": "attention backend",
-    "kv_pool": "KV cache pool",
-    "prefix_cache": "prefix cache",
-    "moe": "MoE backend",
-}
-
-# Components published by the project's own plugin packages, so that a name that
-# is known but not installed gets an actionable "pip install ..." hint.
-KNOWN_PROVIDERS: dict[str, str] = {
-    "flashinfer": "minisgl-plugin-flashinfer",
-    "fi": "minisgl-plugin-flashinfer",
-    "fa": "minisgl-plugin-fa",
-    "trtllm": "minisgl-plugin-trtllm",
-    "radix": "minisgl-plugin-radix",
-    "fused": "minisgl-plugin-qwen3-moe",
-    "LlamaForCausalLM": "minisgl-plugin-llama",
-    "MistralForCausalLM": "minisgl-plugin-llama",
-    "Qwen2ForCausalLM": "minisgl-plugin-llama",
-    "Qwen3ForCausalLM": "minisgl-plugin-llama",
-    "Qwen3MoeForCausalLM": "minisgl-plugin-qwen3-moe",
-}
-
-
-class PluginError(RuntimeError):
-    """A plugin could not be loaded, or two plugins conflict."""
-
-
-class UnknownComponentError(LookupError):
-    """A requested component name is not provided by any active plugin."""
-
-    def __str__(self) -> str:  # LookupError quotes its message; keep it readable
-        return str(self.args[0]) if self.args else ""
-
-
-@dataclass
-class PluginInfo:
-    """One entry point of the ``minisgl`` group and what became of it."""
-
-    name: str
-    distribution: str
-    version: str
-    module: str
-    status: Status
-    error: str = ""
-    provides: dict[str, list[str]] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "module": self.module,
-            "status": self.status,
-            "error": self.error,
-            "provides": self.provides,
-        }
+ENV_ALLOW = "MINISGL_PLUGINS"
+ENV_BLOCK = "MINISGL_DISABLE_PLUGINS"
+ENV_STRICT = "MINISGL_STRICT_PLUGINS"
 
 
 @dataclass(frozen=True)
-class Provided:
-    spec: ComponentSpec
-    plugin: PluginInfo
+class PluginSource:
+    """A plugin to load: an entry name and a module (import path or object).
+
+    :func:`discover` makes one per installed entry point; tests and embedders
+    pass their own through ``load_plugins(extra=[...])``. ``requires`` stands in
+    for a distribution's ``Requires-Dist`` lines when there is no ``dist``.
+    """
+
+    name: str
+    module: str | types.ModuleType | object
+    distribution: str = ""
+    version: str = ""
+    dist: md.Distribution | None = None
+    requires: tuple[str, ...] = ()
+
+    @property
+    def module_name(self) -> str:
+        if isinstance(self.module, str):
+            return self.module
+        return str(getattr(self.module, "__name__", type(self.module).__name__))
+
+    def requirements(self) -> list[str]:
+        if self.dist is not None:
+            return list(self.dist.requires or [])
+        return list(self.requires)
+
+    def import_module(self) -> object:
+        if not isinstance(self.module, str):
+            return self.module
+        # "pkg.mod:attr" entry points name an object inside the module (a class instance works too).
+        module_name, _, attr = self.module.partition(":")
+        obj: Any = importlib.import_module(module_name.strip())
+        for part in filter(None, attr.strip().split(".")):
+            obj = getattr(obj, part)
+        return obj
 
 
-class PluginRegistry:
-    """Registries of every component kind, resolved once from the active plugins."""
+def core_version() -> str:
+    """The running minisgl version, as plugins' requirements are checked against it."""
+    from .. import __version__
 
-    def __init__(self, plugins: list[PluginInfo], components: dict[Kind, dict[str, Provided]]):
-        self.plugins = plugins
-        self._components = components
-        self._aliases: dict[Kind, dict[str, str]] = {k: {} for k in components}
-        for kind, entries in components.items():
-            for name, provided in entries.items():
-                for alias in provided.spec.aliases:
-                    self._aliases[kind][alias] = name
+    return __version__
 
-    def active_plugin_names(self) -> list[str]:
-        """Entry names of the active plugins (handed to worker processes)."""
-        return [p.name for p in self.plugins if p.status == "active"]
 
-    def names(self, kind: Kind) -> list[str]:
-        return sorted(self._components[kind])
+def discover() -> list[PluginSource]:
+    """Every entry point of the ``minisgl`` group, built-ins first, then by entry name."""
+    sources: list[PluginSource] = []
+    seen: set[tuple[str, str]] = set()
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        dist_name = dist.metadata["Name"] if dist is not None else ""
+        if (ep.name, dist_name) in seen:  # one distribution reachable twice on sys.path
+            continue
+        seen.add((ep.name, dist_name))
+        sources.append(PluginSource(ep.name, ep.value, dist_name, dist.version if dist is not None else "", dist))
+    if not any(s.name == BUILTIN for s in sources):  # a source tree without installed metadata
+        sources.append(PluginSource(BUILTIN, "minisgl.plugins.builtin", "minisgl", core_version()))
+    sources.sort(key=lambda s: (s.name != BUILTIN, s.name, s.distribution))
+    return sources
 
-    def has(self, kind: Kind, name: str) -> bool:
-        return name in self._components[kind] or name in self._aliases[kind]
 
-    def get(self, kind: Kind, name: str) -> ComponentSpec:
-        """The spec registered for ``name`` (or an alias); a clear error otherwise."""
-        canonical = self._aliases[kind].get(name, name)
-        provided = self._components[kind].get(canonical)
-        if provided is not None:
-            return provided.spec
-        raise UnknownComponentError(self._unknown_message(kind, name))
-
-    def provider(self, kind: Kind, name: str) -> PluginInfo:
-        canonical = self._aliases[kind].get(name, name)
-        return self._components[kind][canonical].plugin
-
-    def pick(self, kind: Kind, name: str, device: str) -> ComponentSpec:
-        """Resolve ``name`` ("auto" = best supported by priority) for ``device``."""
-        if name != "auto":
-            spec = self.get(kind, name)
-            if not spec.supports(device):
-                raise UnknownComponentError(
-                    f"{KIND_LABELS[kind]} '{spec.name}' does not support device '{device}'; "
-                    f"supported there: {', '.join(self.supported(kind, device)) or 'none'}"
-                )
-            return spec
-        candidates = [p.spec for p in self._components[kind].values() if p.spec.supports(device)]
-        if not candidates:
-            raise UnknownComponentError(
-                f"no installed {KIND_LABELS[kind]} supports device '{device}'; "
-                f"installed: {self._installed_text(kind)}"
-            )
-        return max(candidates, key=lambda s: (s.priority, s.name))
-
-    def supported(self, kind: Kind, device: str) -> list[str]:
-        return sorted(n for n, p in self._components[kind].items() if p.spec.supports(device))
-
-    def _installed_text(self, kind: Kind) -> str:
-        parts = []
-        for name in self.names(kind):
-            dist = self._components[kind][name].plugin.distribution
-            parts.append(f"{name} ({dist})")
-        return ", ".join(parts) or "none"
-
-    def _unknown_message(self, kind: Kind, name: str) -> str:
-        msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed_text(kind)}"
-        package = KNOWN_PROVIDERS.get(name)
-        if package is not None:
-            disabled = [p for p in self.plugins if p.distribution == package and p.status != "active"]
-            if disabled:
-                p = disabled[0]
-                msg += f". It is provided by {package}, which is installed but {p.status}"
-                msg += f" ({p.error})" if p.error else ""
-            else:
-                msg += f". '{name}' is provided by {package}: pip install {package}"
-        return msg
+def check_compatible(requirements: Iterable[str], version: str) -> str:
+    """Why a plugin whose requirements are ``requirements`` cannot run on core ``version`` ('' if it can)."""
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # packaging comes with pip and transformers; without it, trust the installer
+        return ""
+    try:
+        running = Version(version)
+    except InvalidVersion:
+        return ""
+    for raw in requirements:
+        try:
+            req = Requirement(raw)
+        except InvalidRequirement:
+            continue
+        if req.name.lower().replace("_", "-") != "minisgl":
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # e.g. "minisgl>=0.2; extra == 'dev'"
+        if req.specifier and not req.specifier.contains(running, prereleases=True):
+            return f"requires minisgl{req.specifier}, but minisgl {version} is installed"
+    return ""
 
 
 def _split_env(value: str | None) -> list[str] | None:
@@ -186,66 +125,8 @@ def _split_env(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _core_version() -> str:
-    try:
-        return md.version("minisgl")
-    except md.PackageNotFoundError:
-        return "0.0.0"
-
-
-def _compatible(dist: md.Distribution | None, core_version: str) -> tuple[bool, str]:
-    """Check a plugin distribution's declared requirement on ``minisgl``."""
-    if dist is None:
-        return True, ""
-    try:
-        from packaging.requirements import Requirement
-        from packaging.version import Version
-    except ImportError:  # pragma: no cover - packaging ships with pip/transformers
-        return True, ""
-    for raw in dist.requires or []:
-        try:
-            req = Requirement(raw)
-        except Exception:
-            continue
-        if req.name.lower() == "minisgl" and not req.marker:
-            if req.specifier and not req.specifier.contains(Version(core_version), prereleases=True):
-                return False, f"requires minisgl{req.specifier}, found {core_version}"
-    return True, ""
-
-
-@dataclass(frozen=True)
-class PluginSource:
-    """A plugin to load: an entry name and either a module path or a module object."""
-
-    name: str
-    module: str | types.ModuleType | object
-    distribution: str = ""
-    version: str = ""
-    dist: md.Distribution | None = None
-
-
-def discover() -> list[PluginSource]:
-    """Every entry point of the ``minisgl`` group, built-ins first."""
-    sources: list[PluginSource] = []
-    seen: set[str] = set()
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in seen:  # the same distribution seen twice on sys.path
-            continue
-        seen.add(ep.name)
-        dist = ep.dist
-        sources.append(
-            PluginSource(
-                name=ep.name,
-                module=ep.value,
-                distribution=dist.metadata["Name"] if dist is not None else "",
-                version=dist.version if dist is not None else "",
-                dist=dist,
-            )
-        )
-    if BUILTIN not in seen:  # running from a source tree without installed metadata
-        sources.append(PluginSource(BUILTIN, "minisgl.plugins.builtin", "minisgl", _core_version()))
-    sources.sort(key=lambda s: (s.name != BUILTIN, s.name))
-    return sources
+def _env_flag(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def load_plugins(
@@ -254,119 +135,152 @@ def load_plugins(
     extra: Iterable[PluginSource] = (),
     environ: Mapping[str, str] | None = None,
     strict: bool | None = None,
+    raise_conflicts: bool = True,
+    discover_installed: bool = True,
 ) -> PluginRegistry:
     """Discover, filter, import and resolve plugins into a :class:`PluginRegistry`.
 
-    ``only`` loads exactly the named entry points (used by worker processes,
-    which receive the list from their parent). ``extra`` adds plugins that are
-    not installed as entry points (useful in tests). ``environ`` defaults to
-    ``os.environ`` and is read for ``MINISGL_PLUGINS``, ``MINISGL_DISABLE_PLUGINS``
-    and ``MINISGL_STRICT_PLUGINS``.
+    ``only``
+        Load exactly these entry names, ignoring the environment's lists (worker
+        processes get this from their parent's ``registry.active_plugin_names()``).
+    ``extra``
+        Plugins that are not installed as entry points (tests, embedding).
+    ``environ``
+        Read for ``MINISGL_PLUGINS`` (allow-list of third-party entry names; set
+        but empty = none), ``MINISGL_DISABLE_PLUGINS`` (block-list) and
+        ``MINISGL_STRICT_PLUGINS``; defaults to ``os.environ``.
+    ``strict``
+        A plugin that fails to import or is incompatible raises :class:`PluginError`
+        instead of being skipped with a :class:`PluginWarning`. Defaults to
+        ``MINISGL_STRICT_PLUGINS``.
+    ``raise_conflicts``
+        Two plugins providing the same name raise :class:`PluginError` (always at
+        engine start-up); ``False`` keeps the first and records the clash in
+        ``registry.conflicts`` (for listings).
+    ``discover_installed``
+        ``False`` loads only ``extra`` (plus nothing installed, not even built-ins).
     """
     env = os.environ if environ is None else environ
     if strict is None:
-        strict = env.get("MINISGL_STRICT_PLUGINS", "") not in ("", "0", "false", "False")
-    allow = _split_env(env.get("MINISGL_PLUGINS"))
-    block = _split_env(env.get("MINISGL_DISABLE_PLUGINS")) or []
-    sources = discover() + list(extra)
-    known = {s.name for s in sources}
-    for label, names in (("MINISGL_PLUGINS", allow or []), ("MINISGL_DISABLE_PLUGINS", block)):
+        strict = _env_flag(env.get(ENV_STRICT))
+    allow = _split_env(env.get(ENV_ALLOW))
+    block = _split_env(env.get(ENV_BLOCK)) or []
+    sources = (discover() if discover_installed else []) + list(extra)
+    known = sorted({s.name for s in sources})
+    requested = [(ENV_ALLOW, allow or []), (ENV_BLOCK, block)] if only is None else [("the plugin list", list(only))]
+    for label, names in requested:
         for n in names:
             if n not in known:
-                warnings.warn(f"{label} names unknown plugin '{n}'; installed: {', '.join(sorted(known))}", stacklevel=2)
+                close = difflib.get_close_matches(n, known, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                warnings.warn(
+                    f"{label} names unknown plugin '{n}'{hint}; installed plugins: {', '.join(known) or 'none'}",
+                    PluginWarning,
+                    stacklevel=2,
+                )
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    core_version = _core_version()
+    version = core_version()
     infos: list[PluginInfo] = []
-    modules: list[tuple[PluginInfo, object]] = []
+    loaded: list[PluginInfo] = []
+    conflicts: list[str] = []
+    entry_owner: dict[str, PluginInfo] = {}
     for src in sources:
-        module_name = src.module if isinstance(src.module, str) else getattr(src.module, "__name__", repr(src.module))
-        info = PluginInfo(src.name, src.distribution, src.version, module_name, "active")
+        info = PluginInfo(src.name, src.distribution, src.version, src.module_name, "active")
         infos.append(info)
         if only is not None:
             enabled = src.name in only
         else:
-            enabled = src.name == BUILTIN or ((allow is None or src.name in allow) and src.name not in block)
+            enabled = src.name not in block and (src.name == BUILTIN or allow is None or src.name in allow)
         if not enabled:
             info.status = "disabled"
             continue
-        ok, why = _compatible(src.dist, core_version)
-        if not ok:
+        if src.name in entry_owner:
+            info.status, info.error = "failed", f"entry name '{src.name}' is taken by {entry_owner[src.name].who}"
+            conflicts.append(
+                f"two installed distributions register the plugin entry name '{src.name}': "
+                f"{entry_owner[src.name].who} and {info.who}; uninstall one of them"
+            )
+            continue
+        entry_owner[src.name] = info
+        why = check_compatible(src.requirements(), version)
+        if why:
             info.status, info.error = "incompatible", why
-            _report(f"plugin '{src.name}' ({src.distribution}) is incompatible: {why}; skipped", strict)
+            _report(f"{info.who} is incompatible: {why}. Install a release of it made for minisgl {version}", strict)
             continue
         try:
-            module = importlib.import_module(src.module.partition(":")[0]) if isinstance(src.module, str) else src.module
-            pm.register(module, name=src.name)
+            plugin = src.import_module()
         except Exception as exc:
             info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
-            _report(f"plugin '{src.name}' ({src.distribution or module_name}) failed to load: {info.error}; skipped", strict)
+            _report(f"{info.who} failed to import '{info.module}': {info.error}", strict)
             continue
-        modules.append((info, module))
-
-    components: dict[Kind, dict[str, Provided]] = {k: {} for k in ALL_SPEC_TYPES}
-    for info, module in modules:
         try:
-            provided = _collect(module)
+            pm.register(plugin, name=src.name)
+            _check_hook_names(pm, plugin)
         except Exception as exc:
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
             info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
-            _report(f"plugin '{info.name}' ({info.distribution or info.module}) hook failed: {info.error}; skipped", strict)
+            _report(f"{info.who} is not a valid minisgl plugin: {info.error}", strict)
             continue
-        for kind, specs in provided.items():
-            for spec in specs:
-                _add(components[kind], kind, spec, info)
-                info.provides.setdefault(kind, []).append(spec.name)
-    return PluginRegistry(infos, components)
+        loaded.append(info)
+
+    builder = RegistryBuilder()
+    collected = {info.name: _collect(pm, info, strict) for info in loaded}
+    for info in loaded:
+        for spec in collected[info.name] or []:
+            builder.add(spec, info)
+    conflicts += builder.conflicts
+    if conflicts and raise_conflicts:
+        raise PluginError("conflicting plugins:\n  " + "\n  ".join(conflicts))
+    registry = builder.build(infos)
+    registry.conflicts = conflicts
+    return registry
 
 
-def _collect(module: object) -> dict[Kind, list[ComponentSpec]]:
-    out: dict[Kind, list[ComponentSpec]] = {}
-    for kind, hook in _HOOKS.items():
-        fn = getattr(module, hook, None)
-        if fn is None:
-            continue
-        specs = list(fn() or [])
-        expected = ALL_SPEC_TYPES[kind]
-        for spec in specs:
-            if not isinstance(spec, expected):
-                raise TypeError(f"{hook}() returned {type(spec).__name__}, expected {expected.__name__}")
-        out[kind] = specs
-    return out
-
-
-def _add(table: dict[str, Provided], kind: Kind, spec: ComponentSpec, info: PluginInfo) -> None:
-    names = (spec.name, *spec.aliases)
-    for n in names:
-        clash = table.get(n) or next((p for p in table.values() if n in p.spec.aliases), None)
-        if clash is None:
-            continue
-        if spec.override and not clash.spec.override:
-            warnings.warn(
-                f"{KIND_LABELS[kind]} '{n}' from {_who(info)} overrides the one from {_who(clash.plugin)}",
-                stacklevel=3,
+def _check_hook_names(pm: pluggy.PluginManager, plugin: object) -> None:
+    """A misspelled hook would otherwise be ignored silently: reject it with the known names."""
+    known = list(hookspecs.HOOKS.values())
+    for caller in pm.get_hookcallers(plugin) or []:
+        if caller.name not in known:
+            close = difflib.get_close_matches(caller.name, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise PluginError(
+                f"@hookimpl function '{caller.name}' is not a minisgl hook (known: {', '.join(known)}){hint}"
             )
-            table.pop(clash.spec.name, None)
-            continue
-        if clash.spec.override and not spec.override:
-            warnings.warn(
-                f"{KIND_LABELS[kind]} '{n}' from {_who(clash.plugin)} overrides the one from {_who(info)}",
-                stacklevel=3,
-            )
-            return
-        raise PluginError(
-            f"{KIND_LABELS[kind]} '{n}' is provided by both {_who(clash.plugin)} and {_who(info)}; "
-            f"uninstall or disable one (MINISGL_DISABLE_PLUGINS=<entry name>), "
-            f"or mark exactly one spec override=True"
-        )
-    table[spec.name] = Provided(spec, info)
 
 
-def _who(info: PluginInfo) -> str:
-    return f"plugin '{info.name}' ({info.distribution})" if info.distribution else f"plugin '{info.name}'"
+def _collect(pm: pluggy.PluginManager, info: PluginInfo, strict: bool) -> list[ComponentSpec] | None:
+    """Call the plugin's hooks; on any error the whole plugin is marked failed and provides nothing."""
+    specs: list[ComponentSpec] = []
+    try:
+        for kind, hook in hookspecs.HOOKS.items():
+            for impl in getattr(pm.hook, hook).get_hookimpls():
+                if impl.plugin_name == info.name:
+                    specs += _check_result(kind, hook, impl.function())
+    except Exception as exc:
+        info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
+        _report(f"{info.who}: a hook failed: {info.error}", strict)
+        return None
+    return specs
+
+
+def _check_result(kind: Kind, hook: str, result: object) -> list[ComponentSpec]:
+    expected = ALL_SPEC_TYPES[kind]
+    if result is None:
+        return []
+    if isinstance(result, ComponentSpec) or not isinstance(result, Iterable):
+        raise TypeError(f"{hook}() must return an iterable of {expected.__name__}, got {type(result).__name__}")
+    specs = list(result)
+    for spec in specs:
+        if not isinstance(spec, expected):
+            raise TypeError(f"{hook}() returned a {type(spec).__name__}, expected {expected.__name__}")
+    return specs
 
 
 def _report(message: str, strict: bool) -> None:
     if strict:
-        raise PluginError(message + " (MINISGL_STRICT_PLUGINS is set)")
-    warnings.warn(message, stacklevel=3)
+        raise PluginError(f"{message} ({ENV_STRICT} is set, so this stops start-up)")
+    warnings.warn(f"{message}; the plugin is skipped (set {ENV_STRICT}=1 to make this fatal)", PluginWarning,
+                  stacklevel=3)
