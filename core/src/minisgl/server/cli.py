@@ -1,0 +1,84 @@
+"""``minisgl serve``: check the settings cheaply, then start the server (or a terminal chat).
+
+Everything that can be wrong without loading the model (flag values, backend
+and cache names against the installed plugins, the model path) is checked
+here, before any worker process starts, so a typo fails in well under a second.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .settings import ENGINE_FIELD_NAMES, ServeSettings, SettingsError, env_name, flag_name, parse_settings
+
+DESCRIPTION = "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."
+
+
+class PreflightError(ValueError):
+    """Settings that were well formed but cannot work (unknown backend, missing model, ...)."""
+
+
+def _flag_for_engine_field(engine_field: str) -> str:
+    reverse = {v: k for k, v in ENGINE_FIELD_NAMES.items()}
+    name = reverse.get(engine_field, engine_field)
+    return f"{flag_name(name)} (env {env_name(name)})"
+
+
+def preflight(settings: ServeSettings) -> list[str]:
+    """Check the settings without loading anything heavy; return the active plugin names for the workers."""
+    from ..config import EngineConfig
+    from ..core import ValidationError
+    from ..plugins import UnknownComponentError, load_plugins
+
+    fields = settings.engine_fields()
+    device = fields["device"]
+    try:
+        EngineConfig(**{**fields, "device": "cpu" if device == "auto" else device})
+    except ValidationError as exc:
+        raise PreflightError(f"{_flag_for_engine_field(exc.field)}: {exc.message}") from None
+    if settings.tp > 1:
+        raise PreflightError(f"--tp {settings.tp}: tensor parallelism is not available yet; use --tp 1")
+    if (
+        not (settings.load_format == "dummy" and settings.hf_config_path)
+        and not Path(settings.model).expanduser().exists()
+    ):
+        raise PreflightError(
+            f"--model: '{settings.model}' does not exist (expected a Hugging Face model directory or a .gguf file)"
+        )
+    registry = load_plugins()
+    checks = [("attention", n.strip()) for n in settings.attn.split(",")]
+    checks += [("prefix_cache", settings.cache), ("kv_pool", settings.kv_pool), ("moe", settings.moe_backend)]
+    flags = {"attention": "--attn", "prefix_cache": "--cache", "kv_pool": "--kv-pool", "moe": "--moe-backend"}
+    for kind, name in checks:
+        if not name:
+            raise PreflightError(f"--attn: expected NAME or PREFILL,DECODE, got '{settings.attn}'")
+        try:
+            if device != "auto":
+                registry.pick(kind, name, device.split(":")[0])  # type: ignore[arg-type]
+            elif name != "auto":
+                registry.get(kind, name)  # type: ignore[arg-type]
+        except UnknownComponentError as exc:
+            raise PreflightError(f"{flags[kind]}: {exc}") from None
+    return registry.active_plugin_names()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        settings = parse_settings(args, prog="minisgl serve", description=DESCRIPTION)
+        plugins = preflight(settings)
+    except (SettingsError, PreflightError) as exc:
+        print(f"minisgl serve: error: {exc}", file=sys.stderr)
+        return 2
+    if settings.shell:
+        from .chat import run_chat
+
+        return run_chat(settings, plugins)
+    from .launcher import serve
+
+    return serve(settings, plugins)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

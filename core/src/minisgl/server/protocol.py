@@ -1,0 +1,162 @@
+"""OpenAI request bodies, validated with pydantic; conversion to sampling parameters.
+
+Range checks live here so that a bad value is a 400 naming its field before
+anything reaches a worker. Unknown fields are ignored, as OpenAI-compatible
+servers usually do, so clients that send extra options keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..core import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            unsupported = [p.type for p in content if p.type != "text"]
+            if unsupported:
+                from ..core import ValidationError
+
+                raise ValidationError(
+                    "messages", f"content parts of type {unsupported[0]!r} are not supported (text only)"
+                )
+            content = "".join(p.text or "" for p in content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    n: int = Field(1, ge=1, le=16)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
+        """Parameters of choice ``index``: with ``n`` > 1 and a seed, each choice gets its own seed."""
+        seed = None if self.seed is None else self.seed + index
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop) if stop else None,
+            stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
+            ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def params(self, index: int) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs, index)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``. ``prompt``: a string, strings, a token-id list or token-id lists."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: Prompt) -> Prompt:
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt list is empty")
+        if isinstance(v, list) and any(isinstance(p, list) and not p for p in v):
+            raise ValueError("a token-id prompt is empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def params(self, index: int) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs, index)

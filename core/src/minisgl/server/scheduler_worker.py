@@ -1,0 +1,131 @@
+"""The scheduler process: one per tensor-parallel rank; rank 0 talks to the tokenizer.
+
+It builds the engine and scheduler exactly as :class:`minisgl.LLM` does, then
+loops: take every queued message, run one scheduler step when there is work,
+send that step's token events to the detokenizer. With no work it blocks on
+its socket, so an idle server uses no CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from ..message import (
+    AbortReq,
+    Accepted,
+    RequestFailed,
+    Shutdown,
+    Stats,
+    StatsReq,
+    StepOutput,
+    TokenEventMsg,
+    TokenizedReq,
+    decode,
+    encode,
+)
+from .process import ParentWatch, unpack_args, worker_process
+
+
+def scheduler_main(launch: bytes) -> None:
+    """Entry point of a scheduler process (see :mod:`minisgl.server.launcher`)."""
+    args = unpack_args(launch)
+    addr = args["addresses"]
+    rank = int(args.get("rank", 0))
+    with worker_process(f"scheduler-{rank}", addr["status"]) as (ctx, status):
+        if rank != 0:
+            raise NotImplementedError("tensor parallelism (tp > 1) is not available yet")
+        from ..core import SamplingParams, ValidationError
+        from ..llm import eos_ids
+        from ..models import load_tokenizer
+        from ..scheduler import Scheduler
+        from .engine_build import build_engine
+
+        engine = build_engine(args["engine"])
+        tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
+        eos = eos_ids(engine.hf_config, tokenizer, engine.source)
+        detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+        sched = Scheduler(engine, eos_token_ids=eos, detokenize=detok)
+
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(addr["scheduler"])
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.connect(addr["detokenizer"])
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        status.ready(
+            architecture=engine.architecture,
+            max_model_len=int(engine.max_model_len),
+            kv_pages=int(engine.kv.usable_pages),
+            page_size=int(engine.config.page_size),
+            device=str(engine.device),
+        )
+        watch = ParentWatch()
+        while not watch.parent_gone():
+            if poller.poll(0 if sched.has_work else 200):
+                stop = False
+                for msg in _recv_all(inbox):
+                    if isinstance(msg, TokenizedReq):
+                        try:
+                            params = SamplingParams.from_dict(msg.params)
+                            req = sched.add_request(msg.input_ids, params, rid=msg.rid)
+                        except ValidationError as exc:
+                            outbox.send(encode(RequestFailed(msg.rid, exc.field, exc.message)))
+                        else:
+                            outbox.send(encode(Accepted(msg.rid, req.prompt_len)))
+                    elif isinstance(msg, AbortReq):
+                        sched.abort(msg.rid)
+                    elif isinstance(msg, StatsReq):
+                        outbox.send(encode(_stats(sched, msg.token)))
+                    elif isinstance(msg, Shutdown):
+                        stop = True
+                if stop:
+                    break
+            if sched.has_work:
+                events = sched.step()
+                if events:
+                    outbox.send(encode(StepOutput([_event(e) for e in events])))
+
+
+def _recv_all(sock: zmq.Socket) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return out
+
+
+def _event(ev: Any) -> TokenEventMsg:
+    req = ev.req
+    token = int(ev.token)
+    msg = TokenEventMsg(
+        rid=req.rid,
+        token=token,
+        finished=bool(ev.finished),
+        finish_reason=req.finish_reason if ev.finished else None,
+        stop_token=bool(
+            ev.finished and req.finish_reason == "stop" and (token in req.eos_token_ids or token in req.params.stop_ids)
+        ),
+        cached_tokens=int(req.prefix_len),
+    )
+    if ev.logprob is not None:
+        msg.logprob = float(ev.logprob.logprob)
+        msg.top = [[int(t), float(lp)] for t, lp in ev.logprob.top]
+    return msg
+
+
+def _stats(sched: Any, token: int) -> Stats:
+    kv = sched.engine.kv
+    cached = int(kv.cache_pages)
+    return Stats(
+        token=token,
+        running=sched.num_running,
+        waiting=sched.num_waiting,
+        kv_pages_used=int(kv.used_pages) - cached,
+        kv_pages_cached=cached,
+        kv_pages_total=int(kv.usable_pages),
+        page_size=int(kv.page_size),
+        max_model_len=int(sched.engine.max_model_len),
+    )
