@@ -80,6 +80,7 @@ class Launcher:
             args = {"addresses": self.addresses, "engine": engine, "rank": rank}
             self._spawn(ctx, f"scheduler-{rank}", scheduler_main, args)
         self._spawn(ctx, "tokenizer", tokenizer_main, {"addresses": self.addresses, "model": self.settings.model})
+        logger.info("workers: %s", ", ".join(f"{w.name} pid={w.process.pid}" for w in self.workers))
         pending = {w.name for w in self.workers}
         while pending:
             status = self._next_status(0.2)
