@@ -120,6 +120,7 @@ class BasePrefixCache(ABC):
 
     def check_integrity(self) -> None:
         """Raise AssertionError if internal invariants do not hold."""
+        return None  # a cache with no internal structure has nothing to check
 
     def reset(self) -> torch.Tensor:
         """Drop everything unlocked; return the freed slots."""
