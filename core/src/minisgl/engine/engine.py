@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,13 +12,14 @@ import torch
 
 from ..attention import AttentionContext, BaseAttnBackend, HybridAttnBackend
 from ..config import EngineConfig
-from ..core import Batch, Req, TokenLogprob, ValidationError
+from ..core import Batch, TokenLogprob, ValidationError
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kvcache import BaseKVPool, KVCacheManager, KVLayout
 from ..layers import ForwardContext
 from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
 from ..moe import BaseMoEBackend
 from ..plugins import PluginRegistry, load_plugins
+from .graph import CudaGraphRunner
 from .sampling import Sampler
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class Engine:
             raise ValidationError("device", "CUDA was requested but torch sees no CUDA device")
 
         if config.load_format == "dummy" and config.model_config:
+            # Random weights of the configured shapes: no checkpoint is read.
             self.source = None
             self.hf_config = load_config(ModelSource(path=_dummy_path(config.model)), config.model_config)
         else:
@@ -71,7 +74,9 @@ class Engine:
             self.hf_config = load_config(self.source, config.model_config)
         archs = list(getattr(self.hf_config, "architectures", None) or []) or _causal_lm_for(self.hf_config)
         if not archs:
-            raise ModelLoadError(f"the config of '{config.model}' names no architecture (config.architectures is empty)")
+            raise ModelLoadError(
+                f"the config of '{config.model}' names no architecture (config.architectures is empty)"
+            )
         self.architecture = archs[0]
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
 
@@ -83,6 +88,10 @@ class Engine:
         self.kv_pool, self.kv = self._build_kv()
         self.attn = self._build_attention()
         self.sampler = Sampler(self.device, config.seed)
+        # The token each request sampled last, by table row: the input of its next decode step.
+        self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
+        self._inputs: weakref.WeakKeyDictionary[Batch, _SampleInputs] = weakref.WeakKeyDictionary()
+        self.graphs = self._build_graphs()
 
     # ------------------------------------------------------------------ build
     def _max_model_len(self) -> int:
@@ -102,7 +111,9 @@ class Engine:
         self.prefix_cache_spec = reg.pick("prefix_cache", self.config.prefix_cache, dev)
         names = [n.strip() for n in self.config.attention_backend.split(",")]
         if len(names) not in (1, 2) or not all(names):
-            raise ValidationError("attention_backend", f"expected NAME or PREFILL,DECODE, got '{self.config.attention_backend}'")
+            raise ValidationError(
+                "attention_backend", f"expected NAME or PREFILL,DECODE, got '{self.config.attention_backend}'"
+            )
         self.attn_specs = [reg.pick("attention", n, dev) for n in names]
         self.moe_backend: BaseMoEBackend | None = None
         if self._is_moe():
@@ -117,9 +128,10 @@ class Engine:
         if not isinstance(model, CausalLM):
             raise TypeError(f"model factory for {self.architecture} returned {type(model).__name__}, not a CausalLM")
         if self.config.load_format == "dummy":
-            gen = torch.Generator(device="cpu").manual_seed(self.config.seed)
+            # Drawn on the device: a 0.6B model takes seconds on the host, milliseconds on a GPU.
+            gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
             for p in model.parameters():
-                p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+                p.data.normal_(0.0, 0.02, generator=gen)
         else:
             assert self.source is not None
             model.load_weights(iter_weights(self.source))
@@ -150,10 +162,17 @@ class Engine:
         layout = KVLayout(hf.num_hidden_layers, num_pages, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
         pool = self.kv_pool_spec.build(layout)
         cache = self.prefix_cache_spec.build(page_size=cfg.page_size, device=self.device)
-        manager = KVCacheManager(num_pages, cfg.page_size, cfg.max_running_requests, self.max_model_len, cache, self.device)
+        # The manager keeps its table on the host only; the engine mirrors the rows a batch
+        # touches to the device table in one scatter per step (see prepare_decode/prepare_prefill).
+        manager = KVCacheManager(
+            num_pages, cfg.page_size, cfg.max_running_requests, self.max_model_len, cache, torch.device("cpu")
+        )
+        self.page_table = manager.cpu_table if self.device.type == "cpu" else manager.cpu_table.to(self.device)
         logger.info(
             "KV pool: %d pages of %d tokens (%.2f GiB)",
-            num_pages, cfg.page_size, layout.bytes_per_token() * layout.num_slots / (1 << 30),
+            num_pages,
+            cfg.page_size,
+            layout.bytes_per_token() * layout.num_slots / (1 << 30),
         )
         return pool, manager
 
@@ -167,7 +186,7 @@ class Engine:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             page_size=self.config.page_size,
             kv_pool=self.kv_pool,
-            page_table=self.kv.table,
+            page_table=self.page_table,
             max_batch_size=self.config.max_running_requests,
             max_seq_len=self.kv.max_seq_len,
             dtype=self.dtype,
@@ -180,30 +199,143 @@ class Engine:
             return backends[0]
         return HybridAttnBackend(backends[0], backends[1])
 
+    def _build_graphs(self) -> CudaGraphRunner | None:
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        if self.device.type != "cuda" or max_bs <= 0:
+            return None
+        if not self.attn.supports_cuda_graph:
+            logger.info("CUDA graphs off: the decode attention backend does not support them")
+            return None
+        return CudaGraphRunner(
+            self.model, self.attn, max_bs=max_bs, max_seq_len=self.kv.max_seq_len, device=self.device
+        )
+
+    # ----------------------------------------------------------- batch inputs
+    def _to_device(self, values: list[int] | torch.Tensor) -> torch.Tensor:
+        """int64 values to the device: one pinned, non-blocking copy on CUDA."""
+        if self.device.type == "cpu":
+            return values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+        if isinstance(values, torch.Tensor):
+            host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(values)
+        else:
+            host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
+
+    def prepare_decode(self, batch: Batch) -> None:
+        """Device tensors of a decode batch whose slots are allocated (``kv.allocate``).
+
+        Each request feeds back the token it sampled last, read from the device
+        buffer the previous step wrote, so the host never needs that token first.
+        """
+        rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64)
+        pos = torch.tensor([r.cached_len for r in batch.reqs], dtype=torch.int64)
+        loc = self.kv.cpu_table[rows, pos].to(torch.int64)
+        dev = self._to_device(torch.stack([rows, pos, loc]))
+        batch.input_ids = self.last_token[dev[0]]
+        batch.positions, batch.out_loc = dev[1], dev[2]
+        if self.page_table is not self.kv.cpu_table:
+            self.page_table[dev[0], dev[1]] = dev[2].to(torch.int32)
+        self._inputs[batch] = _SampleInputs(rows=None, table_rows=dev[0])
+
+    def prepare_prefill(self, batch: Batch, out_loc: list[torch.Tensor]) -> None:
+        """Device tensors of a prefill batch; ``out_loc[i]`` are request ``i``'s new slots."""
+        ids: list[int] = []
+        pos: list[int] = []
+        for req in batch.reqs:
+            ids.extend(req.input_ids[req.cached_len : req.device_len])
+            pos.extend(range(req.cached_len, req.device_len))
+        n = len(ids)
+        ends: list[int] = []
+        table_rows: list[int] = []
+        end = -1
+        for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
+            end += req.extend_len
+            if samples:
+                ends.append(end)
+                table_rows.append(req.table_idx)
+        host = [
+            torch.tensor(ids + pos, dtype=torch.int64),
+            *out_loc,
+            torch.tensor(ends + table_rows, dtype=torch.int64),
+        ]
+        dev = self._to_device(torch.cat(host))
+        batch.input_ids, batch.positions, batch.out_loc = dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n]
+        k = len(ends)
+        self._inputs[batch] = _SampleInputs(rows=dev[3 * n : 3 * n + k], table_rows=dev[3 * n + k :])
+        if self.page_table is not self.kv.cpu_table:
+            # Mirror each row's slots [0, device_len) (prefix-cache hits included) to the device table.
+            rows = [r.table_idx for r in batch.reqs]
+            lens = [r.device_len for r in batch.reqs]
+            vals = torch.cat([self.kv.cpu_table[r, :n_] for r, n_ in zip(rows, lens, strict=False)]).to(torch.int64)
+            idx = [r for r, n_ in zip(rows, lens, strict=False) for _ in range(n_)] + [
+                p for n_ in lens for p in range(n_)
+            ]
+            d = self._to_device(torch.cat([torch.tensor(idx, dtype=torch.int64), vals]))
+            m = len(vals)
+            self.page_table[d[:m], d[m : 2 * m]] = d[2 * m :].to(torch.int32)
+
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> StepResult:
-        """Run ``batch`` (tensors already prepared) and sample for requests that finish their prompt."""
-        assert batch.input_ids is not None and batch.positions is not None
-        self.attn.prepare_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
-        sampling = [i for i, s in enumerate(batch.sample_mask) if s]
-        if not sampling:
-            return StepResult([], [])
-        ends = torch.tensor([r.extend_len for r in batch.reqs], device=hidden.device).cumsum(0) - 1
-        rows = ends[torch.tensor(sampling, device=hidden.device)] if len(sampling) < len(batch.reqs) else ends
-        logits = self.model.compute_logits(hidden[rows])
-        reqs: list[Req] = [batch.reqs[i] for i in sampling]
+    def launch(self, batch: Batch) -> PendingStep:
+        """Enqueue ``batch`` (prepared) on the device; sampled tokens arrive in the returned handle.
+
+        On CUDA nothing here waits for the device: the next batch can be
+        prepared while this one runs.
+        """
+        inputs = self._inputs.pop(batch)
+        reqs = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.replay(batch)
+        else:
+            assert batch.input_ids is not None and batch.positions is not None
+            self.attn.prepare_metadata(batch)
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
+            if not reqs:
+                return PendingStep(torch.empty(0, dtype=torch.int64), [], None)
+            logits = self.model.compute_logits(hidden if inputs.rows is None else hidden[inputs.rows])
         result = self.sampler.sample(logits, reqs)
-        return StepResult(result.tokens.tolist(), result.logprobs)
+        self.last_token[inputs.table_rows] = result.tokens
+        if self.device.type == "cpu":
+            return PendingStep(result.tokens, result.logprobs, None)
+        host = torch.empty(result.tokens.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(result.tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(host, result.logprobs, event)
+
+    def forward(self, batch: Batch) -> StepResult:
+        """Run ``batch`` (prepared) and wait for the tokens of the requests that finish their prompt."""
+        return self.launch(batch).result()
 
     @torch.inference_mode()
     def prefill_logits(self, batch: Batch) -> torch.Tensor:
         """Logits at every new position of ``batch`` (for tests and scoring)."""
         assert batch.input_ids is not None and batch.positions is not None
+        self._inputs.pop(batch, None)
         self.attn.prepare_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
         return self.model.compute_logits(hidden)
+
+
+@dataclass
+class _SampleInputs:
+    rows: torch.Tensor | None  # rows of the hidden states that sample (None: all)
+    table_rows: torch.Tensor  # table row of each sampling request, for the fed-back token
+
+
+@dataclass
+class PendingStep:
+    """Tokens sampled by a launched batch; :meth:`result` waits for them."""
+
+    tokens: torch.Tensor
+    logprobs: list[TokenLogprob | None]
+    event: torch.cuda.Event | None
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        return StepResult(self.tokens.tolist(), self.logprobs)
 
 
 def _causal_lm_for(hf_config: Any) -> list[str]:

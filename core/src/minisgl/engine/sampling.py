@@ -11,6 +11,13 @@ from ..core import Req, TokenLogprob
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without stalling the host: pinned, non-blocking on CUDA."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class SampleResult:
     tokens: torch.Tensor  # [N] int64, on the device
@@ -55,7 +62,9 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, reqs: list[Req], greedy: list[bool]) -> torch.Tensor:
         n, vocab = logits.shape
         dev = logits.device
-        temps = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(reqs, greedy)], device=dev)
+        temps = to_device(
+            [r.params.temperature if not g else 1.0 for r, g in zip(reqs, greedy, strict=False)], torch.float32, dev
+        )
         scaled = logits / temps.view(-1, 1)
         if any(r.params.top_k > 1 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in reqs):
             scaled = self._filter(scaled, reqs)
@@ -69,7 +78,7 @@ class Sampler:
                 noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            mask = torch.tensor(greedy, device=dev)
+            mask = to_device(greedy, torch.bool, dev)
             sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
         return sampled
 
@@ -77,9 +86,9 @@ class Sampler:
     def _filter(scaled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         dev = scaled.device
         vocab = scaled.shape[1]
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        top_k = to_device([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], torch.int64, dev)
+        top_p = to_device([r.params.top_p for r in reqs], torch.float32, dev)
+        min_p = to_device([r.params.min_p for r in reqs], torch.float32, dev)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev).view(1, -1)
         remove = ranks >= top_k.view(-1, 1)
@@ -114,7 +123,7 @@ class Sampler:
         want = [r.params.logprobs for r in reqs]
         k = max((w for w in want if w is not None), default=0)
         logp = torch.log_softmax(raw, dim=-1)
-        top_vals, top_ids = (logp.topk(k, dim=-1) if k > 0 else (None, None))
+        top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (None, None)
         out: list[TokenLogprob | None] = []
         tv = top_vals.tolist() if top_vals is not None else None
         ti = top_ids.tolist() if top_ids is not None else None
@@ -122,6 +131,6 @@ class Sampler:
             if w is None:
                 out.append(None)
                 continue
-            top = list(zip(ti[i][:w], tv[i][:w])) if (ti is not None and tv is not None and w > 0) else []
+            top = list(zip(ti[i][:w], tv[i][:w], strict=False)) if (ti is not None and tv is not None and w > 0) else []
             out.append(TokenLogprob(token_id=-1, logprob=0.0, top=top))
         return out

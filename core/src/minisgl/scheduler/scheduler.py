@@ -5,19 +5,29 @@ has prompt tokens left to compute (under the ``chunked_prefill_size`` token
 budget), otherwise a decode batch of every running request. Requests are
 admitted first come, first served while a table row and enough KV pages
 (prompt plus ``max_new_tokens``, see :mod:`minisgl.kvcache.manager`) are free.
+
+Overlap scheduling (``EngineConfig.overlap_schedule``; ``MINISGL_DISABLE_OVERLAP=1``
+turns it off): :meth:`Scheduler.step` schedules and launches batch N+1 before
+it reads the tokens of batch N, so the host's scheduling and metadata work
+runs while the device computes. A decode step feeds each request the token
+the device sampled last (see :meth:`minisgl.engine.Engine.prepare_decode`), so
+batch N+1 does not need N's tokens on the host. The price: a request that
+stops on EOS or a stop condition in N may compute one more token in N+1,
+which is discarded. Requests whose sampling needs their full output history
+on the host (penalties, logprobs) switch the scheduler to lock-step while
+they run.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError
-from ..engine import Engine
+from ..engine import Engine, PendingStep
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -47,6 +57,10 @@ class Scheduler:
         self._rids = itertools.count()
         self.vocab_size = int(engine.hf_config.vocab_size)
         self.stats = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
+        disabled = os.environ.get("MINISGL_DISABLE_OVERLAP", "") not in ("", "0", "false", "False")
+        self.overlap = self.config.overlap_schedule and not disabled
+        self._inflight: tuple[Batch, PendingStep] | None = None
+        self._lockstep_reqs = 0  # live requests whose sampling reads host-side history
 
     # -------------------------------------------------------------- requests
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
@@ -60,7 +74,8 @@ class Scheduler:
             raise ValidationError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= max_len:
             raise ValidationError(
-                "prompt", f"the prompt has {len(ids)} tokens, but the context length is {max_len} (leave room for output)"
+                "prompt",
+                f"the prompt has {len(ids)} tokens, but the context length is {max_len} (leave room for output)",
             )
         max_new = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         if len(ids) + max_new > max_len:
@@ -87,6 +102,8 @@ class Scheduler:
             raise ValidationError("rid", f"request id {req.rid} is already in use")
         self._by_rid[req.rid] = req
         self.waiting.append(req)
+        if _needs_lockstep(req):
+            self._lockstep_reqs += 1
         return req
 
     def abort(self, rid: int) -> Req | None:
@@ -104,7 +121,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight is not None)
 
     @property
     def num_running(self) -> int:
@@ -116,12 +133,43 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
-        """Run one batch; return what happened to each request in it."""
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None:
-            return []
+        """Run one batch; return the events of the batch whose tokens arrived.
+
+        With overlap on, that is the batch launched by the previous call (this
+        call's batch is then in flight); otherwise it is this call's batch.
+        """
+        if not self.overlap or self._lockstep_reqs > 0:
+            events = self._drain()
+            batch = self._schedule()
+            if batch is None:
+                return events
+            pending = self._launch(batch)
+            result = pending.result()
+            return events + self._process(batch, result.tokens, result.logprobs)
+        batch = self._schedule()
+        launched = (batch, self._launch(batch)) if batch is not None else None
+        events = self._drain()
+        self._inflight = launched
+        return events
+
+    def _schedule(self) -> Batch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _launch(self, batch: Batch) -> PendingStep:
         self._prepare(batch)
-        result = self.engine.forward(batch)
+        pending = self.engine.launch(batch)
+        # The KV of these positions is (or, on the device queue, will be) written.
+        for req in batch.reqs:
+            req.cached_len = req.device_len
+        return pending
+
+    def _drain(self) -> list[TokenEvent]:
+        """Process the batch in flight, if any."""
+        if self._inflight is None:
+            return []
+        batch, pending = self._inflight
+        self._inflight = None
+        result = pending.result()
         return self._process(batch, result.tokens, result.logprobs)
 
     def _schedule_prefill(self) -> Batch | None:
@@ -151,35 +199,39 @@ class Scheduler:
         return Batch(reqs, "prefill", sample_mask=[r.device_len == r.prompt_len for r in reqs])
 
     def _schedule_decode(self) -> Batch | None:
-        reqs = [r for r in self.running if r.cached_len >= r.prompt_len]
+        # Tokens sampled so far, the one of a batch in flight included, are
+        # cached_len - prompt_len + 1; a request at its max_new_tokens is done
+        # even if the host has not seen its last token yet.
+        reqs = [
+            r
+            for r in self.running
+            if r.cached_len >= r.prompt_len and r.cached_len - r.prompt_len + 1 < r.max_new_tokens
+        ]
         if not reqs:
             return None
         for r in reqs:
-            r.device_len = r.total_len
+            r.device_len = r.cached_len + 1
         return Batch(reqs, "decode", sample_mask=[True] * len(reqs))
 
     def _prepare(self, batch: Batch) -> None:
-        dev = self.engine.device
-        ids: list[int] = []
-        pos: list[int] = []
-        locs: list[torch.Tensor] = []
-        for req in batch.reqs:
-            locs.append(self.kv.allocate(req, req.device_len))
-            all_ids = req.all_ids
-            ids.extend(all_ids[req.cached_len : req.device_len])
-            pos.extend(range(req.cached_len, req.device_len))
-        batch.input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        batch.positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)
-        batch.out_loc = torch.cat(locs).to(dev, non_blocking=True)
-        if batch.is_prefill:
-            computed = sum(r.extend_len for r in batch.reqs)
-            self.stats["computed_prompt_tokens"] += computed
+        """Allocate KV slots for the batch's new tokens and build its device tensors."""
+        kv = self.kv
+        if batch.is_decode:
+            ps = kv.page_size
+            for req in batch.reqs:
+                # A request's slots end on a page boundary: only one whose last page is full needs more.
+                if req.cached_len % ps == 0:
+                    kv.allocate(req, req.device_len)
+            self.engine.prepare_decode(batch)
+            return
+        locs = [kv.allocate(req, req.device_len) for req in batch.reqs]
+        self.engine.prepare_prefill(batch, locs)
+        self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs)
 
     def _process(self, batch: Batch, tokens: list[int], logprobs: list[TokenLogprob | None]) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        it = iter(zip(tokens, logprobs))
-        for req, samples in zip(batch.reqs, batch.sample_mask):
-            req.cached_len = req.device_len
+        it = iter(zip(tokens, logprobs, strict=False))
+        for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
             if not samples:
                 continue
             token, lp = next(it)
@@ -214,6 +266,8 @@ class Scheduler:
         return any(s in tail for s in stops)
 
     def _finish(self, req: Req, reason: str) -> None:
+        if _needs_lockstep(req):
+            self._lockstep_reqs -= 1
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         self.stats["prompt_tokens"] += req.prompt_len
@@ -223,3 +277,8 @@ class Scheduler:
     def check_accounting(self) -> None:
         """Assert exact KV page accounting over the live requests."""
         self.kv.check_accounting(self.running)
+
+
+def _needs_lockstep(req: Req) -> bool:
+    """Whether sampling ``req`` reads its output history or reports logprobs (host-side work)."""
+    return req.params.has_penalty or req.params.logprobs is not None

@@ -1,0 +1,1 @@
+"""Benchmark programs (``minisgl bench ...``): offline throughput and serving load."""

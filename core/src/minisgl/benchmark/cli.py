@@ -1,0 +1,36 @@
+"""``minisgl bench SUBCOMMAND``: dispatch to the benchmark programs, imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "offline": ("minisgl.benchmark.offline", "offline throughput (GPU protocol workload, or --workload cpu)"),
+    "shared-prefix": ("minisgl.benchmark.shared_prefix", "prefix-cache benchmark: prompts sharing long prefixes"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: minisgl bench <benchmark> [options]", "", "benchmarks:"]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    entry = BENCHMARKS.get(args[0])
+    if entry is None:
+        print(f"minisgl bench: unknown benchmark '{args[0]}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec(entry[0]) is None:
+        print(
+            f"minisgl bench: benchmark '{args[0]}' is not available in this installation ({entry[0]})", file=sys.stderr
+        )
+        return 2
+    module = importlib.import_module(entry[0])
+    return int(module.main(args[1:]) or 0)

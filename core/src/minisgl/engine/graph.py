@@ -1,0 +1,119 @@
+"""CUDA-graph capture and replay of decode steps.
+
+A decode step of a small model is hundreds of short kernels; launching them
+one by one from Python costs more than running them. Each batch size in
+:func:`graph_batch_sizes` gets one captured graph (model forward plus LM head)
+over static input buffers; a batch of ``n`` requests replays the smallest graph
+of at least ``n``, padded with dummy requests that write to the scratch KV slot
+0 and whose outputs are ignored. All graphs share one memory pool: they never
+run at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import Batch
+from ..layers import ForwardContext
+
+if TYPE_CHECKING:
+    from ..attention import BaseAttnBackend
+    from ..models import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to ``max_bs`` (and ``max_bs`` itself)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, max_bs + 1, 8))
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+class CudaGraphRunner:
+    """Captured decode graphs for a set of batch sizes, replayed with padding."""
+
+    def __init__(self, model: CausalLM, attn: BaseAttnBackend, *, max_bs: int, max_seq_len: int, device: torch.device):
+        self.model = model
+        self.attn = attn
+        self.device = device
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        attn.init_capture_graph(max_seq_len, self.batch_sizes)
+        t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        self._capture_all()
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.2fs, using %.2f GiB",
+            len(self.graphs),
+            self.batch_sizes[0],
+            self.max_bs,
+            time.perf_counter() - t0,
+            (free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 30),
+        )
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _static_batch(self, bs: int) -> Batch:
+        return Batch(
+            reqs=[],
+            phase="decode",
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_loc=self.out_loc[:bs],
+            padded_size=bs,
+        )
+
+    def _run(self, batch: Batch) -> torch.Tensor:
+        assert batch.input_ids is not None and batch.positions is not None
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        # Largest first, so smaller graphs fit into the pool the largest one sized.
+        for bs in reversed(self.batch_sizes):
+            batch = self._static_batch(bs)
+            self.attn.prepare_for_capture(batch)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._run(batch)  # warm-up outside the graph: lazy library initialisation
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[bs] = self._run(batch)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, batch: Batch) -> bool:
+        return batch.is_decode and batch.size <= self.max_bs
+
+    def replay(self, batch: Batch) -> torch.Tensor:
+        """Logits ``[batch.size, vocab]`` of decode ``batch`` (tensors prepared, on the device)."""
+        n = batch.size
+        bs = next(s for s in self.batch_sizes if s >= n)
+        batch.padded_size = bs
+        assert batch.input_ids is not None and batch.positions is not None and batch.out_loc is not None
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_loc[:n].copy_(batch.out_loc)
+        if bs > n:
+            # Padding requests: token 0 at position 0, writing to the never-allocated scratch slot 0.
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.out_loc[n:bs].zero_()
+        self.attn.prepare_for_replay(batch)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]

@@ -1,0 +1,127 @@
+"""The GPU-oriented engine features that also run (and must be right) on CPU.
+
+Overlap scheduling launches batch N+1 before reading batch N's tokens; on
+CPU the same code path runs, so its bookkeeping is checked here against
+lock-step scheduling and transformers. Also: graph batch sizes and the
+benchmark workloads' totals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.benchmark.offline import cpu_workload, gpu_workload
+from minisgl.engine.graph import graph_batch_sizes
+from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    path = tmp_path_factory.mktemp("llama")
+    model = save_tiny_model("LlamaForCausalLM", path)
+    prompts = random_prompts([5, 40, 3, 77, 12, 9], 512, seed=5)
+    return path, prompts, hf_greedy(model, prompts, NEW)
+
+
+def _run(path: Path, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **kw: object) -> LLM:
+    llm = LLM(str(path), page_size=4, chunked_prefill_size=32, max_running_requests=4, **kw)  # type: ignore[arg-type]
+    llm.outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+    return llm
+
+
+def test_overlap_matches_transformers_and_lockstep(tiny) -> None:
+    path, prompts, ref = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for overlap in (True, False):
+        llm = _run(path, prompts, params, overlap_schedule=overlap)
+        assert llm.scheduler.overlap is overlap
+        assert [o.token_ids for o in llm.outputs] == ref
+        llm.check_accounting()
+        assert llm.kv_pages_in_use == 0
+        llm.close()
+
+
+def test_overlap_stops_on_stop_token_like_lockstep(tiny) -> None:
+    """A request that stops on a token in batch N is already in batch N+1: its extra token is dropped."""
+    path, prompts, ref = tiny
+    # Stop each request on its own 4th greedy token: it must end right there, with reason "stop".
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[r[3]]) for r in ref]
+    results = {}
+    for overlap in (True, False):
+        llm = _run(path, prompts, params, overlap_schedule=overlap)
+        results[overlap] = [(o.token_ids, o.finish_reason) for o in llm.outputs]
+        llm.check_accounting()
+        assert llm.kv_pages_in_use == 0
+        llm.close()
+    assert results[True] == results[False]
+    for (tokens, reason), r in zip(results[True], ref, strict=True):
+        assert tokens == r[: r.index(r[3]) + 1] and reason == "stop"
+
+
+def test_penalties_switch_to_lockstep_and_match(tiny) -> None:
+    path, prompts, _ = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3)
+    outs = {}
+    for overlap in (True, False):
+        llm = _run(path, prompts, params, overlap_schedule=overlap)
+        outs[overlap] = [o.token_ids for o in llm.outputs]
+        assert llm.scheduler._lockstep_reqs == 0  # every request finished and was uncounted
+        llm.close()
+    assert outs[True] == outs[False]
+
+
+def test_abort_while_a_batch_is_in_flight(tiny) -> None:
+    path, prompts, ref = tiny
+    llm = LLM(str(path), page_size=4, max_running_requests=4, overlap_schedule=True)
+    sched = llm.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    reqs = [sched.add_request(p, params) for p in prompts[:3]]
+    for _ in range(4):
+        sched.step()
+    assert sched._inflight is not None
+    victim = reqs[1]
+    assert sched.abort(victim.rid) is victim and victim.finish_reason == "abort"
+    while sched.has_work:
+        sched.step()
+    assert reqs[0].output_ids == ref[0] and reqs[2].output_ids == ref[2]
+    assert len(victim.output_ids) < NEW
+    llm.check_accounting()
+    assert llm.kv_pages_in_use == 0
+    llm.close()
+
+
+def test_disable_overlap_environment_switch(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _, _ = tiny
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP", "1")
+    with LLM(str(path), overlap_schedule=True) as llm:
+        assert llm.scheduler.overlap is False
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP", "0")
+    with LLM(str(path), overlap_schedule=True) as llm:
+        assert llm.scheduler.overlap is True
+
+
+def test_graph_batch_sizes() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and len(sizes) == 35
+
+
+def test_benchmark_workloads_match_the_protocol() -> None:
+    gpu = gpu_workload()
+    assert len(gpu.prompts) == 256 and gpu.output_tokens == 133_966 and gpu.prompt_tokens == 142_827
+    cpu = cpu_workload()
+    assert len(cpu.prompts) == 32 and cpu.output_tokens == 2_251
+
+
+def test_bench_cli_reports_unknown_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from minisgl.benchmark.cli import main
+
+    assert main(["nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err

@@ -1,0 +1,196 @@
+"""Paged attention through FlashInfer: prefill (ragged new tokens over the cache) and decode.
+
+The KV pool keeps one ``[num_pages, page_size, kv_heads, head_dim]`` buffer per
+layer for K and one for V, which is FlashInfer's ``NHD`` paged layout, so the
+kernels read the pool in place. The page table holds token slots per request
+row; a request's page list is every ``page_size``-th slot divided by the page
+size, gathered on the device so that metadata preparation never waits for it.
+
+Per batch, the wrapper is planned once (``prepare_metadata``) and then run by
+every layer. Host-side inputs to ``plan`` (index pointers, last-page lengths)
+stay on the CPU, which is what FlashInfer's scheduler reads; only the page
+indices live on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisgl.attention import AttentionContext, BaseAttnBackend
+from minisgl.core import Batch
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class FlashInferMetadata:
+    """The planned wrapper that every layer of this batch runs."""
+
+    wrapper: Any
+
+
+class FlashInferAttnBackend(BaseAttnBackend):
+    """FlashInfer prefill and decode over the paged KV pool; decode can be captured in CUDA graphs.
+
+    ``use_tensor_cores`` selects FlashInfer's tensor-core decode kernels; by
+    default they are used when each KV head serves four or more query heads,
+    where they beat the CUDA-core kernel.
+    """
+
+    supports_cuda_graph = True
+
+    def __init__(self, ctx: AttentionContext, *, use_tensor_cores: bool | None = None):
+        if ctx.device.type != "cuda":
+            raise ValueError(
+                f"the flashinfer attention backend needs a CUDA device, got '{ctx.device}'; use --attn torch"
+            )
+        if ctx.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"flashinfer backend: head_dim {ctx.head_dim} is not supported (expected one of "
+                f"{SUPPORTED_HEAD_DIMS}); use --attn torch for this model"
+            )
+        if ctx.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"flashinfer backend: dtype {ctx.dtype} is not supported; use --dtype bfloat16 or float16")
+        import flashinfer  # the kernel library is imported only when the backend is built
+
+        self.ctx = ctx
+        self._fi = flashinfer
+        self.page_size = ctx.page_size
+        group = ctx.num_qo_heads // ctx.num_kv_heads
+        self.use_tensor_cores = group >= 4 if use_tensor_cores is None else use_tensor_cores
+        # One float workspace shared by every wrapper: only one of them runs at a time (one stream).
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self.graph_wrappers: dict[int, Any] = {}
+        self._arange_cache = torch.arange(0, dtype=torch.int64, device=ctx.device)
+
+    # ------------------------------------------------------------ page lists
+    def _arange(self, n: int) -> torch.Tensor:
+        if self._arange_cache.numel() < n:
+            self._arange_cache = torch.arange(max(n, 2 * self._arange_cache.numel()), device=self.ctx.device)
+        return self._arange_cache[:n]
+
+    def _page_lists(self, batch: Batch, pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indptr on CPU, page indices on the device, last-page lengths on CPU), int32.
+
+        With ``pad_to`` > batch size, the extra entries are one-token requests on
+        the scratch page 0 (for a padded CUDA-graph batch).
+        """
+        ps = self.page_size
+        reqs = batch.reqs
+        n = len(reqs)
+        lens = [r.device_len for r in reqs]
+        counts = [(x + ps - 1) // ps for x in lens]
+        pad = max(0, pad_to - n)
+        indptr = [0]
+        for c in counts + [1] * pad:
+            indptr.append(indptr[-1] + c)
+        last = [x - (c - 1) * ps for x, c in zip(lens, counts, strict=False)] + [1] * pad
+        total = indptr[-1]
+        real = indptr[n]
+        # Rows, first-page offsets and counts travel to the device in one pinned copy.
+        host = torch.tensor([r.table_idx for r in reqs] + indptr[:n] + counts, dtype=torch.int64, pin_memory=True)
+        dev = host.to(self.ctx.device, non_blocking=True)
+        rows, starts, cnt = dev[:n], dev[n : 2 * n], dev[2 * n :]
+        req_of = torch.repeat_interleave(self._arange(n), cnt, output_size=real)
+        local = self._arange(real) - starts[req_of]
+        slots = self.ctx.page_table[rows[req_of], local * ps if ps > 1 else local]
+        pages = slots if ps == 1 else slots // ps
+        if pad:
+            pages = torch.cat([pages, pages.new_zeros(total - real)])
+        return torch.tensor(indptr, dtype=torch.int32), pages.to(torch.int32), torch.tensor(last, dtype=torch.int32)
+
+    # -------------------------------------------------------------- planning
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        c = self.ctx
+        wrapper.plan(
+            indptr,
+            indices,
+            last,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            self.page_size,
+            q_data_type=c.dtype,
+            kv_data_type=c.kv_pool.layout.dtype,
+            sm_scale=c.scale,
+            non_blocking=True,
+        )
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        c = self.ctx
+        indptr, indices, last = self._page_lists(batch)
+        if batch.is_decode:
+            self._plan_decode(self.decode_wrapper, indptr, indices, last)
+            batch.attn_metadata = FlashInferMetadata(self.decode_wrapper)
+            return
+        qo = [0]
+        for r in batch.reqs:
+            qo.append(qo[-1] + r.extend_len)
+        self.prefill_wrapper.plan(
+            torch.tensor(qo, dtype=torch.int32),
+            indptr,
+            indices,
+            last,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            self.page_size,
+            causal=True,  # bottom-right aligned: new tokens see the whole cached prefix
+            sm_scale=c.scale,
+            q_data_type=c.dtype,
+            kv_data_type=c.kv_pool.layout.dtype,
+            non_blocking=True,
+        )
+        batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        c, meta = self.ctx, batch.attn_metadata
+        assert isinstance(meta, FlashInferMetadata) and batch.out_loc is not None
+        hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
+        pool = c.kv_pool
+        pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
+        out = meta.wrapper.run(q.view(-1, hq, d), (pool.k_cache(layer_id), pool.v_cache(layer_id)))
+        return out.view(-1, hq * d)
+
+    # ------------------------------------------------------------ CUDA graphs
+    def init_capture_graph(self, max_seq_len: int, batch_sizes: list[int]) -> None:
+        c = self.ctx
+        max_bs = max(batch_sizes)
+        max_pages = -(-max_seq_len // self.page_size)
+        # Index buffers shared by every graph's wrapper: one graph replays at a time.
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=c.device)
+        self._graph_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=c.device)
+        self._graph_last = torch.ones(max_bs, dtype=torch.int32, device=c.device)
+        for bs in batch_sizes:
+            self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=self._graph_last[:bs],
+            )
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.padded_size
+        wrapper = self.graph_wrappers[bs]
+        indptr = torch.arange(bs + 1, dtype=torch.int32)
+        indices = torch.zeros(bs, dtype=torch.int32, device=self.ctx.device)
+        self._plan_decode(wrapper, indptr, indices, torch.ones(bs, dtype=torch.int32))
+        batch.attn_metadata = FlashInferMetadata(wrapper)
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        wrapper = self.graph_wrappers[batch.padded_size]
+        indptr, indices, last = self._page_lists(batch, pad_to=batch.padded_size)
+        self._plan_decode(wrapper, indptr, indices, last)
+        batch.attn_metadata = FlashInferMetadata(wrapper)

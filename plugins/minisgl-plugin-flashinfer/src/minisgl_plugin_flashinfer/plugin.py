@@ -1,0 +1,30 @@
+"""Entry module: declares the backend; ``flashinfer`` is imported only by the factory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minisgl.plugins import AttentionBackendSpec, hookimpl
+
+
+def is_supported(device: str) -> bool:
+    """CUDA only, and only where the ``flashinfer`` package can be found (without importing it)."""
+    if not device.startswith("cuda"):
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+@hookimpl
+def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
+    return [
+        AttentionBackendSpec(
+            name="flashinfer",
+            factory="minisgl_plugin_flashinfer.backend:FlashInferAttnBackend",
+            aliases=("fi",),
+            priority=10,  # above the torch reference, so --attn auto picks it on CUDA
+            is_supported=is_supported,
+            description="FlashInfer paged prefill and decode (CUDA graphs for decode)",
+        )
+    ]

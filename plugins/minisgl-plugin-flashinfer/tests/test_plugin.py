@@ -1,0 +1,43 @@
+"""Registration of the flashinfer backend: runs on any machine, CUDA or not."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from minisgl.plugins import load_plugins
+
+
+def test_backend_is_registered_with_alias_and_priority() -> None:
+    reg = load_plugins()
+    spec = reg.get("attention", "flashinfer")
+    assert spec.aliases == ("fi",)
+    assert reg.get("attention", "fi") is spec
+    assert spec.priority > reg.get("attention", "torch").priority
+    assert reg.provider("attention", "flashinfer").name == "flashinfer"
+
+
+def test_not_supported_on_cpu_and_auto_falls_back_to_torch() -> None:
+    reg = load_plugins()
+    assert not reg.get("attention", "flashinfer").supports("cpu")
+    assert reg.pick("attention", "auto", "cpu").name == "torch"
+    assert "flashinfer" not in reg.supported("attention", "cpu")
+
+
+def test_loading_the_entry_module_does_not_import_flashinfer() -> None:
+    before = "flashinfer" in sys.modules
+    load_plugins()
+    assert ("flashinfer" in sys.modules) == before
+
+
+def test_auto_picks_flashinfer_on_cuda_when_installed() -> None:
+    import importlib.util
+
+    reg = load_plugins()
+    if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None:
+        assert reg.pick("attention", "auto", "cuda").name == "flashinfer"
+    else:
+        assert reg.get("attention", "flashinfer").supports("cuda") == (
+            importlib.util.find_spec("flashinfer") is not None
+        )
