@@ -14,7 +14,12 @@ class BaseMoEBackend(ABC):
     by columns/rows: ``w13`` is ``[experts, 2 * inter, hidden]`` (gate rows then
     up rows) and ``w2`` is ``[experts, hidden, inter]``, where ``inter`` is this
     rank's share of the expert intermediate size.
+
+    ``supports_cuda_graph`` says whether :meth:`forward` can be captured in a
+    CUDA graph (no host synchronisation, sizes fixed by the input shapes).
     """
+
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def forward(

@@ -146,7 +146,7 @@ def _gate_up_silu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """h[a, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for assignment a = t * top_k + j routed to e."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -175,8 +175,12 @@ def _gate_up_silu_kernel(
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        if IEEE:  # float32 models: full-precision products, not TF32
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -209,7 +213,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """out[a, n] = weight[a] * (h[a] . w2[e, n]) for assignment a routed to expert e."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -234,7 +238,10 @@ def _down_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_hk
         b_ptrs += BLOCK_K * stride_wk
     weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)
@@ -284,7 +291,7 @@ def fused_moe(
     cfg = config or default_config(m, num_experts, hidden.dtype)
     sorted_ids, block_expert = align(topk_ids, num_experts, cfg.block_m, align_method)
     nb = block_expert.numel()
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    ieee = hidden.dtype == torch.float32
 
     h = torch.empty(m, inter, dtype=hidden.dtype, device=hidden.device)
     g = cfg.gate_up
@@ -293,7 +300,7 @@ def fused_moe(
         m, top_k, inter, hidden_size, nb,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0), h.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-        EVEN_K=hidden_size % g.block_k == 0, PRECISION=precision,
+        EVEN_K=hidden_size % g.block_k == 0, IEEE=ieee,
         num_warps=g.num_warps, num_stages=g.num_stages,
     )  # fmt: skip
     out = torch.empty(m, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -304,7 +311,7 @@ def fused_moe(
         m, hidden_size, inter, nb,
         h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m,
-        EVEN_K=inter % d.block_k == 0, PRECISION=precision,
+        EVEN_K=inter % d.block_k == 0, IEEE=ieee,
         num_warps=d.num_warps, num_stages=d.num_stages,
     )  # fmt: skip
     if top_k == 1:
@@ -314,6 +321,8 @@ def fused_moe(
 
 class FusedMoEBackend(BaseMoEBackend):
     """Triton fused MoE (CUDA). ``config`` pins the tiles (benchmarks); by default they follow the batch size."""
+
+    supports_cuda_graph = True
 
     def __init__(self, config: MoEConfig | None = None, align_method: str = "auto"):
         if align_method not in ("auto", "triton", "torch"):
