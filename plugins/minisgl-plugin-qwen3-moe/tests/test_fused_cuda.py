@@ -16,8 +16,8 @@ from minisgl.testing.models import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-TOKENS = [1, 3, 64, 333, 2048, 8192]
-ROUTING = [(8, 1), (8, 2), (64, 4), (128, 8)]  # (experts, top_k)
+TOKENS = [1, 64, 333, 8192]
+ROUTING = [(8, 1), (64, 4), (128, 8)]  # (experts, top_k)
 
 
 def random_layer(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):  # noqa: ANN201
@@ -42,7 +42,8 @@ def test_fused_matches_torch_bf16(tokens: int, experts: int, top_k: int) -> None
 
     x, w13, w2, weights, ids = random_layer(tokens, experts, top_k, 1024, 384, torch.bfloat16, seed=tokens + experts)
     ref = TorchMoEBackend().forward(x, w13, w2, weights, ids)
-    for align in ("triton", "torch"):
+    # The one-program Triton alignment is what small batches use; check it against the sort-based one there.
+    for align in ("triton", "torch") if tokens * top_k <= 1024 else ("torch",):
         out = FusedMoEBackend(align_method=align).forward(x, w13, w2, weights, ids)
         err = rel_error(out, ref)
         print(f"RESULT kernel tokens={tokens} experts={experts} top_k={top_k} align={align} rel_error={err:.2e}")
