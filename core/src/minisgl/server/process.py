@@ -43,7 +43,8 @@ def user_error(exc: BaseException) -> str:
     names = ("ModelLoadError", "UnknownComponentError", "PluginError")
     if type(exc).__name__ in names:
         return text
-    if isinstance(exc, MemoryError) or "out of memory" in text.lower():
+    lowered = text.lower()
+    if isinstance(exc, MemoryError) or any(s in lowered for s in ("out of memory", "not enough memory", "allocate")):
         return f"out of memory: {text}"
     return f"{type(exc).__name__}: {text}"
 

@@ -1,0 +1,135 @@
+"""Process lifecycle of ``minisgl serve``: signals, crashed workers, start-up failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serverutil import Server, alive, child_pids
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def start(tiny_model: Path, tmp_path: Path, *args: str) -> Server:
+    return Server(tiny_model, tmp_path, "--num-pages", "64", "--max-model-len", "256", *args).wait_ready()
+
+
+def stream_in_background(server: Server, body: dict[str, Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """POST ``body`` in a thread; the result dict gets "status", "text" (the raw body) or "error"."""
+    result: dict[str, Any] = {}
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+                result["status"] = resp.status_code
+                chunks = []
+                for chunk in resp.iter_text():
+                    chunks.append(chunk)
+                    started.set()
+                result["text"] = "".join(chunks)
+        except httpx.HTTPError as exc:
+            result["error"] = repr(exc)
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(60)
+    return thread, result
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_requests_and_leaves_nothing_behind(tiny_model: Path, tmp_path: Path, signum: int) -> None:
+    server = start(tiny_model, tmp_path)
+    try:
+        workers = server.worker_pids()
+        assert set(workers) == {"scheduler-0", "tokenizer"}
+        assert set(workers.values()) <= set(child_pids(server.proc.pid))
+        children = child_pids(server.proc.pid)
+        sockets = list(server.tmpdir.iterdir())
+        assert len(sockets) == 1 and sockets[0].name.startswith("minisgl-")
+        assert {p.name for p in sockets[0].iterdir()} >= {"scheduler.sock", "tokenizer.sock", "api.sock"}
+        body = {"prompt": "in flight", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        thread, result = stream_in_background(server, body)
+        server.proc.send_signal(signum)
+        assert server.wait_exit(60) == 0, server.log
+        thread.join(30)
+        assert not thread.is_alive()  # the in-flight request ended
+        assert result.get("status") == 200
+        assert wait_gone(children) == []
+        assert list(server.tmpdir.iterdir()) == []  # the socket directory is removed
+    finally:
+        server.stop()
+
+
+def test_killed_scheduler_gives_503_and_the_server_exits(tiny_model: Path, tmp_path: Path) -> None:
+    server = start(tiny_model, tmp_path)
+    try:
+        children = child_pids(server.proc.pid)
+        body = {"prompt": "long", "max_tokens": 200, "ignore_eos": True}
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            result["status"], result["body"] = resp.status_code, resp.json()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["minisgl_num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(server.worker_pids()["scheduler-0"], signal.SIGKILL)
+        thread.join(60)
+        assert result["status"] == 503, result
+        assert "scheduler-0" in result["body"]["error"]["message"]
+        assert "signal 9" in result["body"]["error"]["message"]
+        assert server.wait_exit(60) == 1
+        assert "scheduler-0 process was killed by signal 9" in server.log
+        assert wait_gone(children) == []
+        assert list(server.tmpdir.iterdir()) == []
+    finally:
+        server.stop()
+
+
+def test_start_up_failure_in_a_worker_exits_with_its_error(tiny_model: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    config = json.loads((tiny_model / "config.json").read_text())
+    config["architectures"] = ["NoSuchForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(config))
+    for f in tiny_model.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    server = Server(bad, tmp_path)
+    try:
+        code = server.wait_exit(180)
+        assert code != 0
+        assert "scheduler-0 process failed to start" in server.log
+        assert "unknown model architecture 'NoSuchForCausalLM'" in server.log
+        assert list(server.tmpdir.iterdir()) == []
+    finally:
+        server.stop()
+
+
+def test_out_of_memory_at_start_up_is_reported(tiny_model: Path, tmp_path: Path) -> None:
+    # A KV cache far larger than the machine: the scheduler cannot allocate it.
+    server = Server(tiny_model, tmp_path, "--num-pages", str(1 << 40))
+    try:
+        assert server.wait_exit(180) != 0
+        assert "scheduler-0 process failed to start: out of memory" in server.log
+        assert list(server.tmpdir.iterdir()) == []
+    finally:
+        server.stop()
