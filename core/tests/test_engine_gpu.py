@@ -20,6 +20,7 @@ from minisgl.core import Batch
 from minisgl.testing.models import random_prompts, save_tiny_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytest.importorskip("minisgl_plugin_llama", reason="the GPU engine tests use the llama-family plugin's models")
 needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")
 
 NEW_TOKENS = 32

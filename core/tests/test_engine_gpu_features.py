@@ -8,6 +8,7 @@ benchmark workloads' totals.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,30 +16,44 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.benchmark.offline import cpu_workload, gpu_workload
 from minisgl.engine.graph import graph_batch_sizes
+from minisgl.plugins import PluginRegistry
 from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
 
 NEW = 12
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+def tiny(tmp_path_factory: pytest.TempPathFactory, registry: PluginRegistry) -> Tiny:
     path = tmp_path_factory.mktemp("llama")
     model = save_tiny_model("LlamaForCausalLM", path)
     prompts = random_prompts([5, 40, 3, 77, 12, 9], 512, seed=5)
-    return path, prompts, hf_greedy(model, prompts, NEW)
+    return Tiny(path, prompts, hf_greedy(model, prompts, NEW), registry)
 
 
-def _run(path: Path, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **kw: object) -> LLM:
-    llm = LLM(str(path), page_size=4, chunked_prefill_size=32, max_running_requests=4, **kw)  # type: ignore[arg-type]
+@dataclass
+class Tiny:
+    path: Path
+    prompts: list[list[int]]
+    ref: list[list[int]]
+    registry: PluginRegistry  # conftest's: built-ins plus the core test model
+
+
+def _llm(t: Tiny, **kw: object) -> LLM:
+    return LLM(str(t.path), registry=t.registry, **kw)  # type: ignore[arg-type]
+
+
+def _run(t: Tiny, params: SamplingParams | list[SamplingParams], **kw: object) -> LLM:
+    prompts = t.prompts
+    llm = _llm(t, page_size=4, chunked_prefill_size=32, max_running_requests=4, **kw)
     llm.outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
     return llm
 
 
 def test_overlap_matches_transformers_and_lockstep(tiny) -> None:
-    path, prompts, ref = tiny
+    ref = tiny.ref
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     for overlap in (True, False):
-        llm = _run(path, prompts, params, overlap_schedule=overlap)
+        llm = _run(tiny, params, overlap_schedule=overlap)
         assert llm.scheduler.overlap is overlap
         assert [o.token_ids for o in llm.outputs] == ref
         llm.check_accounting()
@@ -48,12 +63,12 @@ def test_overlap_matches_transformers_and_lockstep(tiny) -> None:
 
 def test_overlap_stops_on_stop_token_like_lockstep(tiny) -> None:
     """A request that stops on a token in batch N is already in batch N+1: its extra token is dropped."""
-    path, prompts, ref = tiny
+    ref = tiny.ref
     # Stop each request on its own 4th greedy token: it must end right there, with reason "stop".
     params = [SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[r[3]]) for r in ref]
     results = {}
     for overlap in (True, False):
-        llm = _run(path, prompts, params, overlap_schedule=overlap)
+        llm = _run(tiny, params, overlap_schedule=overlap)
         results[overlap] = [(o.token_ids, o.finish_reason) for o in llm.outputs]
         llm.check_accounting()
         assert llm.kv_pages_in_use == 0
@@ -64,11 +79,10 @@ def test_overlap_stops_on_stop_token_like_lockstep(tiny) -> None:
 
 
 def test_penalties_switch_to_lockstep_and_match(tiny) -> None:
-    path, prompts, _ = tiny
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3)
     outs = {}
     for overlap in (True, False):
-        llm = _run(path, prompts, params, overlap_schedule=overlap)
+        llm = _run(tiny, params, overlap_schedule=overlap)
         outs[overlap] = [o.token_ids for o in llm.outputs]
         assert llm.scheduler._lockstep_reqs == 0  # every request finished and was uncounted
         llm.close()
@@ -76,11 +90,11 @@ def test_penalties_switch_to_lockstep_and_match(tiny) -> None:
 
 
 def test_abort_while_a_batch_is_in_flight(tiny) -> None:
-    path, prompts, ref = tiny
-    llm = LLM(str(path), page_size=4, max_running_requests=4, overlap_schedule=True)
+    ref = tiny.ref
+    llm = _llm(tiny, page_size=4, max_running_requests=4, overlap_schedule=True)
     sched = llm.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    reqs = [sched.add_request(p, params) for p in prompts[:3]]
+    reqs = [sched.add_request(p, params) for p in tiny.prompts[:3]]
     for _ in range(4):
         sched.step()
     assert sched._inflight is not None
@@ -96,12 +110,11 @@ def test_abort_while_a_batch_is_in_flight(tiny) -> None:
 
 
 def test_disable_overlap_environment_switch(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, _, _ = tiny
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP", "1")
-    with LLM(str(path), overlap_schedule=True) as llm:
+    with _llm(tiny, overlap_schedule=True) as llm:
         assert llm.scheduler.overlap is False
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP", "0")
-    with LLM(str(path), overlap_schedule=True) as llm:
+    with _llm(tiny, overlap_schedule=True) as llm:
         assert llm.scheduler.overlap is True
 
 

@@ -103,7 +103,7 @@ def _check(setup: Setup, batch: Batch, layer: int = 1) -> None:
         q.view(-1, c.num_qo_heads, c.head_dim), (setup.pool.k_cache(layer), setup.pool.v_cache(layer)), out=poisoned
     )
     assert not torch.isnan(poisoned).any(), "flashinfer left output elements unwritten"
-    assert torch.equal(poisoned.view_as(out), out)
+    assert _rel_err(poisoned.view_as(out), out) < 1e-3
     setup.ref.prepare_metadata(batch)
     ref = setup.ref.forward(q, k, v, layer, batch)
     assert not torch.isnan(out).any()

@@ -180,8 +180,32 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         "config": {k: v for k, v in _engine_kwargs(args).items()},
     }
     llm.check_accounting()
+    if args.profile:
+        result["profile"] = args.profile
+        _profile(llm, args)
     llm.close()
     return result
+
+
+def _profile(llm: Any, args: argparse.Namespace) -> None:
+    """Profile 256 short requests (prefill, then ~24 decode steps at batch 256); write the top kernels/ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl import SamplingParams
+
+    rng = random.Random(2)
+    prompts = [[rng.randint(0, 10000) for _ in range(128)] for _ in range(256)]
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=24)
+    llm.generate(prompts, params, use_tqdm=False)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(args.device)
+    sort = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+    text = prof.key_averages().table(sort_by=sort, row_limit=40)
+    text += "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    Path(args.profile).write_text(text)
+    print(text[:6000])
 
 
 def run_latency(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -278,6 +302,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--latency-prompt-len", type=int, default=512)
     p.add_argument("--latency-steps", type=int, default=256)
+    p.add_argument("--profile", default=None, help="also profile a short run; write the op table to this file")
     p.add_argument("--label", default=None, help="name of this run in the JSON file name")
     p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
     return p
