@@ -1,0 +1,411 @@
+"""Conformance kit for attention backends.
+
+Subclass :class:`AttentionBackendConformance` in a test module, with a name
+starting with ``Test``, and say which backend to test; pytest collects the
+inherited tests::
+
+    import torch
+    from minisgl.testing.attention import AttentionBackendConformance
+
+    class TestMyBackend(AttentionBackendConformance):
+        backend = "mykernel"     # a registry name, an AttentionBackendSpec, "pkg.mod:Class" or a factory
+        device = "cuda"
+        dtype = torch.bfloat16
+
+Every test drives real :class:`~minisgl.core.Req` and :class:`~minisgl.core.Batch`
+objects through a real :class:`~minisgl.kvcache.KVCacheManager`, the way the
+scheduler prepares them (``cached_len``/``device_len``, ``out_loc`` from
+``allocate``, the manager's page table), and runs each batch through the backend
+under test and through the built-in ``torch`` backend on a second pool. It checks,
+for every layer of every step: output shape and dtype, no NaN/inf, every row close
+to the reference (tolerances per dtype), inputs left alone, new K/V stored in
+exactly the ``out_loc`` slots of the right layer and no other slot changed. The
+reference itself is checked against attention computed in float64.
+
+The matrix: page sizes 1 and 16, 1, 2 and 4 query heads per KV head, head dims 64
+and 128; scenarios: fresh prefill of mixed lengths, chunked prefill extending
+existing KV (page-aligned prefix-cache hits and unaligned chunk boundaries) mixed
+with new requests, several decode steps across page boundaries, and reused pages
+that still hold a finished request's KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+
+from ..attention import AttentionContext, BaseAttnBackend
+from ..attention.torch_backend import TorchAttnBackend
+from ..core import Batch, Req, SamplingParams
+from ..kvcache import BaseKVPool, KVCacheManager, KVLayout, MHAKVPool, NaivePrefixCache
+from ..plugins import PluginRegistry, load_plugins
+from .kv_pool import ComponentRef, build_component, default_tolerance, skip_without_device
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """One attention shape under test."""
+
+    page_size: int
+    gqa: int  # query heads per KV head
+    head_dim: int
+    num_kv_heads: int = 2
+
+    @property
+    def num_qo_heads(self) -> int:
+        return self.num_kv_heads * self.gqa
+
+    @property
+    def id(self) -> str:
+        return f"ps{self.page_size}-gqa{self.gqa}-d{self.head_dim}"
+
+
+ATTN_CASES = tuple(AttnCase(ps, g, d) for ps in (1, 16) for g in (1, 2, 4) for d in (64, 128))
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of one request in float64: ``q`` ``[n, hq, d]`` at positions
+    ``start .. start + n - 1`` over ``k``/``v`` ``[start + n, hkv, d]``."""
+    gqa = q.shape[1] // k.shape[1]
+    kx, vx = k.double().repeat_interleave(gqa, dim=1), v.double().repeat_interleave(gqa, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kx) * scale
+    allowed = torch.arange(k.shape[0]).view(1, -1) <= (start + torch.arange(q.shape[0])).view(-1, 1)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vx)
+
+
+class AttentionHarness:
+    """Requests in a real :class:`KVCacheManager`, run through a backend and the torch reference.
+
+    Usable on its own (benchmarks, debugging): :meth:`add_request`, then
+    :meth:`step` with ``(request, new_tokens)`` pairs; every step is checked.
+    """
+
+    def __init__(
+        self,
+        backend_factory: Callable[[AttentionContext], BaseAttnBackend],
+        pool_factory: Callable[[KVLayout], BaseKVPool],
+        case: AttnCase,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tolerance: tuple[float, float] | None = None,
+        kv_tolerance: tuple[float, float] = (0.0, 0.0),
+        num_layers: int = 2,
+        max_reqs: int = 6,
+        max_len: int = 64,
+        seed: int = 0,
+    ):
+        self.case = case
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.atol, self.rtol = tolerance if tolerance is not None else default_tolerance(dtype)
+        self.kv_atol, self.kv_rtol = kv_tolerance
+        self.num_layers = num_layers
+        ps = case.page_size
+        num_pages = max_reqs * -(-max_len // ps) + 2
+        self.manager = KVCacheManager(num_pages, ps, max_reqs, max_len, NaivePrefixCache(ps, self.device), self.device)
+        layout = KVLayout(num_layers, num_pages, ps, case.num_kv_heads, case.head_dim, dtype, self.device)
+        self.layout = layout
+        self.pool = pool_factory(layout)
+        assert isinstance(self.pool, BaseKVPool), f"the KV pool factory returned {type(self.pool).__name__}"
+        ctx = AttentionContext(
+            num_qo_heads=case.num_qo_heads,
+            num_kv_heads=case.num_kv_heads,
+            head_dim=case.head_dim,
+            page_size=ps,
+            kv_pool=self.pool,
+            page_table=self.manager.table,
+            max_batch_size=max_reqs,
+            max_seq_len=self.manager.max_seq_len,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.ctx = ctx
+        self.backend = backend_factory(ctx)
+        assert isinstance(self.backend, BaseAttnBackend), (
+            f"the backend factory returned {type(self.backend).__name__}, not a BaseAttnBackend"
+        )
+        self.reference = TorchAttnBackend(replace(ctx, kv_pool=MHAKVPool(layout)))
+        self.gen = torch.Generator().manual_seed(seed)
+        # Per request: the K/V of layer 0 so far (float64, CPU), to check the reference against plain math.
+        self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.live: list[Req] = []
+        self.steps = 0
+        self.num_requests = 0
+
+    # ---------------------------------------------------------------- inputs
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(device=self.device, dtype=self.dtype)
+
+    def _append_history(self, rid: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        ks, vs = self.history[rid]
+        self.history[rid] = (torch.cat([ks, k.double().cpu()]), torch.cat([vs, v.double().cpu()]))
+
+    def add_request(self, prompt_len: int, *, cached_prefix: int = 0, max_new_tokens: int = 8) -> Req:
+        """Admit a request; ``cached_prefix`` tokens get K/V as if a prefix cache had matched them."""
+        rid = self.num_requests
+        self.num_requests += 1
+        ids = torch.randint(0, 1000, (prompt_len,), generator=self.gen).tolist()
+        params = SamplingParams(max_tokens=max_new_tokens)
+        req = Req(rid=rid, input_ids=ids, params=params, max_new_tokens=max_new_tokens)
+        assert self.manager.try_admit(req), "the harness's KV pool is too small for this scenario"
+        empty = torch.empty(0, self.case.num_kv_heads, self.case.head_dim, dtype=torch.float64)
+        self.history[rid] = (empty, empty)
+        self.live.append(req)
+        if cached_prefix:
+            slots = self.manager.allocate(req, cached_prefix).to(self.device)
+            shape = (cached_prefix, self.case.num_kv_heads, self.case.head_dim)
+            for layer in range(self.num_layers):
+                k, v = self._randn(*shape), self._randn(*shape)
+                self.pool.store_kv(k, v, slots, layer)
+                self.reference.ctx.kv_pool.store_kv(k, v, slots, layer)
+                if layer == 0:
+                    self._append_history(rid, k, v)
+            req.cached_len = cached_prefix
+        return req
+
+    def release(self, req: Req) -> None:
+        """Finish ``req``: its row and pages return to the manager (their stale K/V stays in the pool)."""
+        self.manager.release(req)
+        self.live.remove(req)
+        del self.history[req.rid]
+
+    # ------------------------------------------------------------------ step
+    def step(self, plan: Sequence[tuple[Req, int]], phase: str | None = None) -> None:
+        """Run one batch in which each ``req`` computes ``n`` new tokens, and check everything."""
+        reqs = [r for r, _ in plan]
+        locs, positions, owners = [], [], []
+        for req, n in plan:
+            assert n >= 1
+            req.device_len = req.cached_len + n
+            locs.append(self.manager.allocate(req, req.device_len))
+            positions += list(range(req.cached_len, req.device_len))
+            owners += [(req.rid, p) for p in range(req.cached_len, req.device_len)]
+        if phase is None:
+            phase = "decode" if all(n == 1 and r.cached_len >= r.prompt_len for r, n in plan) else "prefill"
+        out_loc = torch.cat(locs).to(self.device)
+        tokens = out_loc.numel()
+
+        def make_batch() -> Batch:
+            return Batch(
+                list(reqs),
+                phase,
+                input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
+                positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+                out_loc=out_loc.clone(),
+                sample_mask=[r.device_len >= r.prompt_len for r in reqs],
+            )
+
+        batch, ref_batch = make_batch(), make_batch()
+        self.backend.prepare_metadata(batch)
+        self.reference.prepare_metadata(ref_batch)
+        hq, hkv, d = self.case.num_qo_heads, self.case.num_kv_heads, self.case.head_dim
+        where = f"step {self.steps} ({phase}, {len(reqs)} requests, {tokens} tokens)"
+        for layer in range(self.num_layers):
+            before = self._snapshot(layer)
+            q, k, v = self._randn(tokens, hq * d), self._randn(tokens, hkv * d), self._randn(tokens, hkv * d)
+            q0, k0, v0 = q.clone(), k.clone(), v.clone()
+            out = self.backend.forward(q, k, v, layer, batch)
+            want = self.reference.forward(q0.clone(), k0.clone(), v0.clone(), layer, ref_batch)
+            at = f"{where}, layer {layer}"
+            assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0), f"{at}: forward modified q, k or v"
+            self._check_output(out, want, (tokens, hq * d), owners, at)
+            if layer == 0:  # plain math is slow; one layer is enough to vouch for the reference
+                self._check_reference(q0, k0, v0, want, plan, at)
+            self._check_kv(before, out_loc, k0.view(tokens, hkv, d), v0.view(tokens, hkv, d), layer, at)
+        for req in reqs:
+            req.cached_len = req.device_len
+        self.steps += 1
+
+    # ---------------------------------------------------------------- checks
+    def _snapshot(self, layer: int, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = (self.layout.num_slots, self.case.num_kv_heads, self.case.head_dim)
+        k, v = self.pool.k_cache(layer).reshape(flat), self.pool.v_cache(layer).reshape(flat)
+        return (k.clone(), v.clone()) if copy else (k, v)
+
+    def _check_output(
+        self, out: torch.Tensor, want: torch.Tensor, shape: tuple[int, int], owners: list[tuple[int, int]], at: str
+    ) -> None:
+        assert isinstance(out, torch.Tensor), f"{at}: forward returned {type(out).__name__}, not a tensor"
+        assert tuple(out.shape) == shape, f"{at}: output shape {tuple(out.shape)}, expected {shape}"
+        assert out.dtype == self.dtype, f"{at}: output dtype {out.dtype}, expected {self.dtype} (the dtype of q)"
+        assert out.device.type == self.device.type, f"{at}: output on {out.device}, expected {self.device}"
+        got, ref = out.float().cpu(), want.float().cpu()
+        finite = torch.isfinite(got).all(dim=1)
+        if not bool(finite.all()):
+            rows = torch.nonzero(~finite).view(-1).tolist()
+            raise AssertionError(f"{at}: NaN/inf in output rows {self._rows(rows, owners)}")
+        close = torch.isclose(got, ref, atol=self.atol, rtol=self.rtol).all(dim=1)
+        if not bool(close.all()):
+            rows = torch.nonzero(~close).view(-1).tolist()
+            err = (got - ref).abs().max().item()
+            raise AssertionError(
+                f"{at}: {len(rows)} of {shape[0]} output rows differ from the torch reference "
+                f"(max abs error {err:.3g}, atol {self.atol}, rtol {self.rtol}): {self._rows(rows, owners)}"
+            )
+
+    @staticmethod
+    def _rows(rows: list[int], owners: list[tuple[int, int]]) -> str:
+        shown = ", ".join(f"row {r} = request {owners[r][0]} position {owners[r][1]}" for r in rows[:6])
+        return shown + (f", ... ({len(rows)} rows)" if len(rows) > 6 else "")
+
+    def _check_reference(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want: torch.Tensor,
+        plan: Sequence[tuple[Req, int]], at: str,
+    ) -> None:
+        hq, hkv, d = self.case.num_qo_heads, self.case.num_kv_heads, self.case.head_dim
+        start = 0
+        for req, n in plan:
+            rows = slice(start, start + n)
+            self._append_history(req.rid, k[rows].view(n, hkv, d), v[rows].view(n, hkv, d))
+            ks, vs = self.history[req.rid]
+            exact = reference_attention(q[rows].view(n, hq, d).cpu(), ks, vs, req.cached_len, self.ctx.scale)
+            got = want[rows].view(n, hq, d).double().cpu()
+            bad = ~torch.isclose(got, exact, atol=2 * self.atol, rtol=2 * self.rtol)
+            if bool(bad.any()):
+                raise AssertionError(
+                    f"{at}: the torch reference disagrees with float64 math for request {req.rid} "
+                    f"(max abs error {(got - exact).abs().max().item():.3g}): a bug in the kit or the built-in backend"
+                )
+            start += n
+
+    def _check_kv(
+        self, before: tuple[torch.Tensor, torch.Tensor], out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        layer: int, at: str,
+    ) -> None:
+        after = self._snapshot(layer, copy=False)
+        untouched = torch.ones(self.layout.num_slots, dtype=torch.bool, device=self.device)
+        untouched[out_loc] = False
+        untouched[: self.case.page_size] = False  # page 0 is scratch: padded entries may write there
+        for name, old, new, want in (("K", before[0], after[0], k), ("V", before[1], after[1], v)):
+            stored, expected = new[out_loc].float(), want.to(self.dtype).float()
+            bad = ~torch.isclose(stored, expected, atol=self.kv_atol, rtol=self.kv_rtol).flatten(1).all(dim=1)
+            if bool(bad.any()):
+                rows = torch.nonzero(bad).view(-1).tolist()
+                slots = out_loc[rows].tolist()
+                raise AssertionError(
+                    f"{at}: new {name} of tokens {rows[:8]} not stored in their out_loc slots {slots[:8]}"
+                )
+            diff = old != new
+            if bool(diff.any()):  # the rare slow path: NaN in never-written memory compares unequal to itself
+                diff &= ~(old.isnan() & new.isnan())
+                changed = torch.nonzero(diff.flatten(1).any(dim=1) & untouched).view(-1).tolist()
+                assert not changed, f"{at}: {name} changed in slots outside out_loc: {changed[:8]}"
+
+
+class AttentionBackendConformance:
+    """Base class of an attention backend's conformance tests. Set ``backend``; the rest has defaults.
+
+    ``backend``
+        A name in the plugin registry (``load_registry()``), an ``AttentionBackendSpec``,
+        a lazy ``"pkg.mod:Class"`` reference, or a factory taking an ``AttentionContext``.
+    ``kv_pool``
+        The pool the backend reads (same forms; default the built-in ``mha``).
+    ``device``, ``dtype``
+        Where and in what precision to run; CUDA tests skip without a GPU.
+    ``atol``, ``rtol``
+        Output tolerance against the reference; ``None`` uses :func:`default_tolerance`.
+    ``page_sizes``, ``gqa_ratios``, ``head_dims``
+        Restrict the matrix to what the backend supports (other cases skip).
+    """
+
+    backend: ComponentRef
+    kv_pool: ComponentRef = "mha"
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    atol: float | None = None
+    rtol: float | None = None
+    kv_atol: float = 0.0
+    kv_rtol: float = 0.0
+    page_sizes: tuple[int, ...] = (1, 16)
+    gqa_ratios: tuple[int, ...] = (1, 2, 4)
+    head_dims: tuple[int, ...] = (64, 128)
+    num_layers: int = 2
+    seed: int = 0
+
+    def load_registry(self) -> PluginRegistry:
+        """The registry plain names are looked up in (override to pin plugins)."""
+        return load_plugins()
+
+    def make_harness(self, case: AttnCase) -> AttentionHarness:
+        skip_without_device(self.device)
+        for value, allowed, what in ((case.page_size, self.page_sizes, "page_sizes"),
+                                     (case.gqa, self.gqa_ratios, "gqa_ratios"),
+                                     (case.head_dim, self.head_dims, "head_dims")):
+            if value not in allowed:
+                pytest.skip(f"{value} is not in {type(self).__name__}.{what}")
+        backend = getattr(self, "backend", None)
+        if backend is None:
+            raise TypeError(f"{type(self).__name__} must set 'backend' (a name, a spec, 'pkg.mod:Class' or a factory)")
+        atol, rtol = default_tolerance(self.dtype)
+
+        def make_backend(ctx: AttentionContext) -> Any:
+            return build_component(backend, "attention", self.device, self.load_registry, ctx)
+
+        def make_pool(layout: KVLayout) -> Any:
+            return build_component(self.kv_pool, "kv_pool", self.device, self.load_registry, layout)
+
+        return AttentionHarness(
+            make_backend,
+            make_pool,
+            case,
+            device=self.device,
+            dtype=self.dtype,
+            tolerance=(self.atol if self.atol is not None else atol, self.rtol if self.rtol is not None else rtol),
+            kv_tolerance=(self.kv_atol, self.kv_rtol),
+            num_layers=self.num_layers,
+            seed=self.seed,
+        )
+
+    @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: c.id)
+    def test_prefill_mixed_lengths(self, case: AttnCase) -> None:
+        """Fresh prompts of mixed lengths (one token, within a page, exactly a page, several pages)."""
+        h = self.make_harness(case)
+        ps = case.page_size
+        reqs = [h.add_request(n) for n in sorted({1, 7, ps, ps + 1, 2 * ps + 3, 37})]
+        h.step([(r, r.prompt_len) for r in reqs])
+
+    @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: c.id)
+    def test_extend_on_cached_prefix(self, case: AttnCase) -> None:
+        """New tokens on top of existing KV: a page-aligned prefix-cache hit, unaligned chunk
+        boundaries of chunked prefill, a one-token final chunk, and a fresh request, in one batch."""
+        h = self.make_harness(case)
+        ps = case.page_size
+        hit = h.add_request(2 * ps + 9, cached_prefix=2 * ps)
+        chunked = h.add_request(24)
+        short_tail = h.add_request(ps + 2)
+        h.step([(chunked, 13), (short_tail, ps + 1)])  # first chunks
+        fresh = h.add_request(5)
+        h.step([(hit, 9), (chunked, 11), (short_tail, 1), (fresh, 5)])
+
+    @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: c.id)
+    def test_decode(self, case: AttnCase) -> None:
+        """Decode steps after prefill, crossing page boundaries; the batch shrinks as requests finish."""
+        h = self.make_harness(case)
+        ps = case.page_size
+        reqs = [h.add_request(n) for n in sorted({1, max(ps - 1, 2), ps, 2 * ps + 1, 20})]
+        h.step([(r, r.prompt_len) for r in reqs])
+        for _ in range(3):
+            h.step([(r, 1) for r in reqs], "decode")
+        h.release(reqs[0])
+        h.step([(r, 1) for r in reqs[1:]], "decode")
+        h.step([(reqs[-1], 1)], "decode")
+
+    @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: c.id)
+    def test_reused_pages_hold_stale_kv(self, case: AttnCase) -> None:
+        """A finished request's pages and table row are reused: its stale K/V must not be read."""
+        h = self.make_harness(case)
+        old = [h.add_request(40), h.add_request(33)]
+        h.step([(r, r.prompt_len) for r in old])
+        for r in old:
+            h.release(r)
+        new = [h.add_request(3), h.add_request(18)]
+        h.step([(r, r.prompt_len) for r in new])
+        h.step([(r, 1) for r in new], "decode")

@@ -1,0 +1,164 @@
+"""The conformance kit run against the built-in components: the torch attention backend and the mha pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.attention import AttentionContext, BaseAttnBackend
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.core import Batch
+from minisgl.plugins import PluginRegistry, load_plugins
+from minisgl.testing.attention import ATTN_CASES, AttentionBackendConformance, AttentionHarness
+from minisgl.testing.kv_pool import KVPoolConformance
+
+
+def _builtin_only() -> PluginRegistry:
+    return load_plugins(only=["builtin"])
+
+
+class TestTorchBackendConformance(AttentionBackendConformance):
+    backend = "torch"
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+class TestTorchBackendBFloat16(AttentionBackendConformance):
+    """The reference in bfloat16 (a smaller matrix: the float32 class covers the shapes)."""
+
+    backend = "torch"
+    dtype = torch.bfloat16
+    head_dims = (128,)
+    gqa_ratios = (4,)
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+class TestMHAPoolConformance(KVPoolConformance):
+    pool = "mha"
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+class TestMHAPoolBFloat16(KVPoolConformance):
+    pool = "mha"
+    dtype = torch.bfloat16
+    page_sizes = (16,)
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+# The kit must catch broken backends, or passing it means nothing. Each of these
+# backends has one realistic bug; the harness has to reject every one of them.
+
+
+class _WrongLayer(TorchAttnBackend):
+    """Stores every layer's K/V into layer 0."""
+
+    def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
+        return super().forward(q, k, v, 0, batch)
+
+
+class _IgnoresCachedPrefix(TorchAttnBackend):
+    """Attends only to the new tokens, forgetting the KV already in the cache."""
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        super().prepare_metadata(batch)
+        for i, r in enumerate(batch.reqs):
+            batch.attn_metadata.mask[i, :, :, : r.cached_len] = False
+
+
+class _NoCausalMask(TorchAttnBackend):
+    """Lets every new token see every other new token of its request."""
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        super().prepare_metadata(batch)
+        meta = batch.attn_metadata
+        kv_lens = torch.tensor([r.device_len for r in batch.reqs]).view(-1, 1, 1, 1)
+        meta.mask[:] = torch.arange(meta.mask.shape[-1]).view(1, 1, 1, -1) < kv_lens
+
+
+class _WrongGQAGrouping(TorchAttnBackend):
+    """Maps query head h to KV head h % kv_heads instead of h // group."""
+
+    def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
+        ctx = self.ctx
+        if ctx.num_qo_heads == ctx.num_kv_heads:
+            return super().forward(q, k, v, layer_id, batch)
+        group = ctx.num_qo_heads // ctx.num_kv_heads
+        perm = torch.arange(ctx.num_qo_heads).view(group, ctx.num_kv_heads).t().reshape(-1)
+        inv = torch.argsort(perm)
+        qh = q.view(-1, ctx.num_qo_heads, ctx.head_dim)[:, perm].reshape(q.shape)
+        out = super().forward(qh, k, v, layer_id, batch)
+        return out.view(-1, ctx.num_qo_heads, ctx.head_dim)[:, inv].reshape(out.shape)
+
+
+class _DropsLastRow(TorchAttnBackend):
+    """Leaves the last output row unwritten (uninitialised memory)."""
+
+    def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
+        out = super().forward(q, k, v, layer_id, batch).clone()
+        out[-1] = float("nan")
+        return out
+
+
+class _WritesNeighbourSlot(TorchAttnBackend):
+    """Writes K/V one slot past where out_loc says, as an off-by-one store kernel would."""
+
+    def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
+        ctx = self.ctx
+        ctx.kv_pool.store_kv(k.view(-1, ctx.num_kv_heads, ctx.head_dim), v.view(-1, ctx.num_kv_heads, ctx.head_dim),
+                             (batch.out_loc + 1) % ctx.kv_pool.layout.num_slots, layer_id)
+        return super().forward(q, k, v, layer_id, batch)
+
+
+BROKEN: dict[str, type[BaseAttnBackend]] = {
+    "wrong-layer": _WrongLayer,
+    "ignores-cached-prefix": _IgnoresCachedPrefix,
+    "no-causal-mask": _NoCausalMask,
+    "wrong-gqa-grouping": _WrongGQAGrouping,
+    "drops-last-row": _DropsLastRow,
+    "writes-neighbour-slot": _WritesNeighbourSlot,
+}
+
+
+def _run_all_scenarios(factory) -> None:  # type: ignore[no-untyped-def]
+    kit = AttentionBackendConformance()
+    kit.backend = factory  # type: ignore[assignment]
+    kit.load_registry = _builtin_only  # type: ignore[method-assign]
+    case = next(c for c in ATTN_CASES if c.page_size == 16 and c.gqa == 2 and c.head_dim == 64)
+    for test in (kit.test_prefill_mixed_lengths, kit.test_extend_on_cached_prefix, kit.test_decode,
+                 kit.test_reused_pages_hold_stale_kv):
+        test(case)
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_kit_rejects_broken_backend(name: str) -> None:
+    with pytest.raises(AssertionError):
+        _run_all_scenarios(BROKEN[name])
+
+
+def test_harness_reports_request_and_position() -> None:
+    """A failure names the step, layer, request and position of the bad row."""
+    from minisgl.kvcache import MHAKVPool
+
+    case = ATTN_CASES[0]
+    h = AttentionHarness(_DropsLastRow, MHAKVPool, case)
+    reqs = [h.add_request(3), h.add_request(5)]
+    with pytest.raises(AssertionError, match=r"step 0 \(prefill, 2 requests, 8 tokens\), layer 0: NaN/inf in output "
+                                             r"rows row 7 = request 1 position 4"):
+        h.step([(r, r.prompt_len) for r in reqs])
+
+
+def test_context_matches_engine_fields() -> None:
+    """The harness builds the AttentionContext the engine builds: page table from the manager."""
+    from minisgl.kvcache import MHAKVPool
+
+    h = AttentionHarness(TorchAttnBackend, MHAKVPool, ATTN_CASES[0])
+    assert isinstance(h.ctx, AttentionContext)
+    assert h.ctx.page_table is h.manager.table
+    assert h.ctx.max_seq_len == h.manager.max_seq_len
