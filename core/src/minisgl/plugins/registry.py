@@ -168,26 +168,30 @@ class PluginRegistry:
         return ", ".join(parts) or "none"
 
     def _unknown_message(self, kind: Kind, name: str) -> str:
-        msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed_text(kind)}"
+        sentences = [f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed_text(kind)}"]
         package = KNOWN_PROVIDERS.get(kind, {}).get(name)
-        close = difflib.get_close_matches(name, [*self._components[kind], *self._aliases[kind]], n=1)
-        if close and package is None:
-            msg += f". Did you mean '{close[0]}'?"
-        if package is not None:
-            inactive = [p for p in self.plugins if _normalize(p.distribution) == _normalize(package)]
-            if inactive:
-                p = inactive[0]
-                msg += f". '{name}' is provided by {package}, which is installed but {p.status}"
-                msg += f" ({p.error})" if p.error else ""
-                if p.status == "disabled":
-                    msg += "; check MINISGL_PLUGINS / MINISGL_DISABLE_PLUGINS"
-            else:
-                msg += f". '{name}' is provided by {package}: pip install {package}"
-        else:
+        if package is None:
+            close = difflib.get_close_matches(name, [*self._components[kind], *self._aliases[kind]], n=1)
+            if close:
+                sentences.append(f"Did you mean '{close[0]}'?")
             inactive = [p for p in self.plugins if p.status != "active"]
             if inactive:
                 listed = ", ".join(f"{p.name} ({p.status})" for p in inactive)
-                msg += f". Installed plugins that are not active: {listed}"
+                sentences.append(f"Installed plugins that are not active: {listed}")
+        else:
+            installed = [p for p in self.plugins if _normalize(p.distribution) == _normalize(package)]
+            if installed:
+                p = installed[0]
+                text = f"'{name}' is provided by {package}, which is installed but {p.status}"
+                text += f" ({p.error})" if p.error else ""
+                if p.status == "disabled":
+                    text += "; check MINISGL_PLUGINS / MINISGL_DISABLE_PLUGINS"
+                sentences.append(text)
+            else:
+                sentences.append(f"'{name}' is provided by {package}: pip install {package}")
+        msg = sentences[0]
+        for sentence in sentences[1:]:
+            msg += (" " if msg.endswith("?") else ". ") + sentence
         return msg
 
 
