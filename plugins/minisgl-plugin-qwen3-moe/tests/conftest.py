@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,12 @@ def tiny_moe_config(**overrides: Any) -> Any:
     }
     fields.update(overrides)
     return Qwen3MoeConfig(**fields)
+
+
+@pytest.fixture(scope="session")
+def moe_config() -> Callable[..., Any]:
+    """:func:`tiny_moe_config`, for tests that vary it (a fixture: test modules cannot import conftest reliably)."""
+    return tiny_moe_config
 
 
 @pytest.fixture(scope="session")

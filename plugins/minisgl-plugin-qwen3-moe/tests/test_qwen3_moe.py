@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_moe_config
 from safetensors.torch import load_file, save_file
 
 from minisgl import LLM, SamplingParams
@@ -69,8 +68,8 @@ def test_prefill_logits_match_transformers(tiny_moe, page_size: int) -> None:
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_layers_follow_mlp_only_layers_and_sparse_step(tmp_path: Path) -> None:
-    cfg = tiny_moe_config(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+def test_layers_follow_mlp_only_layers_and_sparse_step(moe_config, tmp_path: Path) -> None:
+    cfg = moe_config(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
     model = save_tiny_model("Qwen3MoeForCausalLM", tmp_path, config=cfg)
     hf_sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers]
     assert hf_sparse == [False, True, False, False]
@@ -82,8 +81,8 @@ def test_layers_follow_mlp_only_layers_and_sparse_step(tmp_path: Path) -> None:
         assert (prefill_logits(llm, prompts) - hf_logits(model, prompts)).abs().max().item() < 1e-4
 
 
-def test_without_topk_renormalisation(tmp_path: Path) -> None:
-    cfg = tiny_moe_config(norm_topk_prob=False, num_experts_per_tok=3)
+def test_without_topk_renormalisation(moe_config, tmp_path: Path) -> None:
+    cfg = moe_config(norm_topk_prob=False, num_experts_per_tok=3)
     model = save_tiny_model("Qwen3MoeForCausalLM", tmp_path, config=cfg, seed=2)
     prompts = random_prompts([20, 9], cfg.vocab_size, seed=6)
     with LLM(str(tmp_path)) as llm:
