@@ -170,7 +170,9 @@ def test_listing_table(dists: dict[str, Path]) -> None:
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["DISTRIBUTION", "VERSION", "ENTRY", "STATUS", "PROVIDES"]
     good = lines.index(next(ln for ln in lines if ln.startswith("minisgl-plugin-good ")))
-    assert lines[good].split() == ["minisgl-plugin-good", "1.2.0", "good", "active", "attention:", "good", "(gd)"]
+    assert lines[good].split() == [
+        "minisgl-plugin-good", "1.2.0", "good", "active", "attention:", "good", "(alias", "gd)",
+    ]
     assert lines[good + 1].split() == ["prefix_cache:", "good-cache"]
     broken = next(ln for ln in lines if ln.startswith("minisgl-plugin-broken "))
     assert broken.split()[:5] == ["minisgl-plugin-broken", "0.3", "broken", "failed", "ModuleNotFoundError:"]

@@ -69,7 +69,8 @@ def _provides_lines(registry: PluginRegistry, provides: dict[str, list[str]]) ->
         shown = []
         for n in names:
             aliases = registry.get(kind, n).aliases if registry.has(kind, n) else ()
-            shown.append(f"{n} ({', '.join(aliases)})" if aliases else n)
+            word = "alias" if len(aliases) == 1 else "aliases"
+            shown.append(f"{n} ({word} {', '.join(aliases)})" if aliases else n)
         lines.append(f"{kind}: {', '.join(shown)}")
     return lines
 
