@@ -45,7 +45,7 @@ CANDIDATES = [
 
 
 def candidates_for(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
-    """Only tiles whose block_m is within a factor of 4 of the rows per expert (others are clearly worse)."""
+    """Tiles whose block_m is at most 4x the mean rows per expert (larger blocks would be mostly padding)."""
     per_expert = max(tokens * top_k / experts, 1.0)
     return [c for c in CANDIDATES if c.block_m <= max(16, 4 * per_expert)]
 

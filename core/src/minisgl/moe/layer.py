@@ -105,7 +105,7 @@ class MoEExperts(nn.Module):
             raise ValueError(f"checkpoint has expert {expert}, but the model has {self.num_experts} experts")
         n, inter, hidden = self.local_inter, self.intermediate_size, self.hidden_size
         lo = self.tp.rank * n
-        if part in ("gate", "up"):
+        if part in ("gate", "up") and expert is not None:
             self._check(loaded, (inter, hidden), f"expert {expert} {part}_proj")
             offset = 0 if part == "gate" else n
             param.data[expert, offset : offset + n].copy_(loaded[lo : lo + n])
@@ -124,7 +124,9 @@ class MoEExperts(nn.Module):
             param.data.copy_(loaded[:, :, lo : lo + n])
             self._loaded.update(("down", e) for e in experts)
         else:
-            raise ValueError(f"unknown expert weight part {part!r}; expected gate, up, down or gate_up")
+            raise ValueError(
+                f"unsupported expert weight shard {shard_id!r}; expected (gate|up|down, expert) or (gate_up|down, None)"
+            )
 
     @staticmethod
     def _check(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
