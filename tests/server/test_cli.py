@@ -1,0 +1,123 @@
+"""``minisgl serve`` settings and fast failures: no model is loaded in this module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minisgl.server.cli import PreflightError, preflight
+from minisgl.server.settings import ServeSettings, SettingsError, build_parser, parse_settings
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MINISGL_")}
+    return subprocess.run(
+        [sys.executable, "-m", "minisgl", *args],
+        capture_output=True,
+        text=True,
+        env={**full_env, **(env or {})},
+        timeout=timeout,
+    )
+
+
+def test_help_lists_every_setting_without_importing_torch() -> None:
+    code = (
+        "import sys\n"
+        "from minisgl.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("NO-TORCH")
+    for flag in ("--model", "--attn", "--cache", "--page-size", "--dtype", "--device", "--max-running-requests",
+                 "--chunked-prefill-size", "--max-model-len", "--host", "--port", "--api-key",
+                 "--served-model-name", "--tp", "--num-pages", "--mem-fraction", "--cpu-kv-cache-gb",
+                 "--load-format", "--model-config", "--seed", "--cuda-graph-max-bs", "--overlap-schedule",
+                 "--kv-pool", "--moe-backend", "--shell", "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
+        assert flag in out.stdout, flag
+
+
+def test_every_engine_field_is_a_setting() -> None:
+    from minisgl.config import EngineConfig
+
+    settings = ServeSettings(model="m")
+    assert set(settings.engine_fields()) == set(EngineConfig.field_names()) - {"plugins"}
+
+
+def test_environment_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINISGL_MODEL", "/models/a")
+    monkeypatch.setenv("MINISGL_PAGE_SIZE", "32")
+    monkeypatch.setenv("MINISGL_API_KEY", "secret")
+    monkeypatch.setenv("MINISGL_MODEL_CONFIG", "/cfg.json")
+    monkeypatch.setenv("MINISGL_OVERLAP_SCHEDULE", "false")
+    s = parse_settings(["--page-size", "64", "--attn", "torch,torch"])
+    got = (s.model, s.page_size, s.api_key, s.hf_config_path, s.attn)
+    assert got == ("/models/a", 64, "secret", "/cfg.json", "torch,torch")
+    assert s.overlap_schedule is False
+    fields = s.engine_fields()
+    assert fields["attention_backend"] == "torch,torch" and fields["model_config"] == "/cfg.json"
+    assert parse_settings(["--overlap-schedule"]).overlap_schedule is True
+
+
+def test_bad_values_name_the_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINISGL_MODEL", raising=False)
+    with pytest.raises(SettingsError, match=r"--model \(env MINISGL_MODEL\) is required"):
+        parse_settings([])
+    monkeypatch.setenv("MINISGL_PORT", "eighty")
+    with pytest.raises(SettingsError, match=r"--port \(env MINISGL_PORT\)"):
+        parse_settings(["--model", "m"])
+    monkeypatch.delenv("MINISGL_PORT")
+    with pytest.raises(SettingsError, match=r"--mem-fraction \(env MINISGL_MEM_FRACTION\): Input should be less"):
+        parse_settings(["--model", "m", "--mem-fraction", "2"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--dtype", "float8"])
+
+
+def test_preflight_checks_names_against_installed_plugins(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    ok = ServeSettings(model=str(tmp_path), attn="torch", device="cpu")
+    assert "builtin" in preflight(ok)
+    unknown = r"--attn: unknown attention backend 'nope'; installed: .*torch \(minisgl\)"
+    with pytest.raises(PreflightError, match=unknown):
+        preflight(ServeSettings(model=str(tmp_path), attn="torch,nope"))
+    with pytest.raises(PreflightError, match=r"--cache: unknown prefix cache 'lru'"):
+        preflight(ServeSettings(model=str(tmp_path), cache="lru"))
+    with pytest.raises(PreflightError, match=r"--model: '.*missing' does not exist"):
+        preflight(ServeSettings(model=str(tmp_path / "missing")))
+    with pytest.raises(PreflightError, match=r"--tp 2: tensor parallelism is not available yet"):
+        preflight(ServeSettings(model=str(tmp_path), tp=2))
+    with pytest.raises(PreflightError, match=r"--device \(env MINISGL_DEVICE\): must be 'cpu' or 'cuda'"):
+        preflight(ServeSettings(model=str(tmp_path), device="tpu"))
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--attn", "flashinfr"], {}, "--attn: unknown attention backend 'flashinfr'"),
+        ([], {"MINISGL_CACHE": "nocache"}, "--cache: unknown prefix cache 'nocache'"),
+        (["--page-size", "0"], {}, "--page-size (env MINISGL_PAGE_SIZE): Input should be greater than or equal to 1"),
+    ],
+)
+def test_serve_fails_at_once_with_a_message(tmp_path: Path, args: list[str], env: dict[str, str], message: str) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    out = run_cli("serve", "--model", str(tmp_path), *args, env=env)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert out.stdout == ""
+
+
+def test_serve_refuses_a_busy_port(tmp_path: Path) -> None:
+    import socket
+
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = run_cli("serve", "--model", str(tmp_path), "--port", str(s.getsockname()[1]))
+    assert out.returncode == 2
+    assert "cannot listen on 127.0.0.1:" in out.stderr
