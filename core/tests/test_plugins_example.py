@@ -8,6 +8,7 @@ points), and puts it and the example's ``src`` on PYTHONPATH of a subprocess.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -67,3 +68,30 @@ def test_example_tests_pass(installed: dict[str, str]) -> None:
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
     assert int(summary.split()[0]) == 12 * 4 + 2  # every case of every scenario, and the two plugin tests
+
+
+def _setuptools_version() -> tuple[int, ...]:
+    try:
+        import setuptools
+    except ImportError:
+        return ()
+    return tuple(int(p) for p in setuptools.__version__.split(".")[:1])
+
+
+@pytest.mark.skipif(_setuptools_version() < (68,), reason="needs setuptools>=68 to build the example offline")
+def test_pip_installs_the_example(tmp_path: Path) -> None:
+    """A real build of the example's pyproject.toml (offline: no build isolation, no dependencies)."""
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    source = shutil.copytree(EXAMPLE, tmp_path / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(source)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "minisgl", "plugins", "--json"], env=subprocess_env(target),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    hello = next(p for p in json.loads(proc.stdout)["plugins"] if p["name"] == "hello")
+    assert (hello["status"], hello["provides"]) == ("active", {"attention": ["hello"]})
