@@ -1,4 +1,8 @@
-"""The core's own components, registered through the same hooks as any plugin."""
+"""The core's own components, registered through the same hooks as any plugin.
+
+This is the entry point ``builtin`` of the ``minisgl`` group (see core/pyproject.toml).
+Like every entry module it names its factories lazily, so loading it imports no torch.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from .specs import AttentionBackendSpec, KVPoolSpec, MoEBackendSpec, PrefixCache
 
 @hookimpl
 def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
+    """``torch``: the reference every other backend is tested against."""
     return [
         AttentionBackendSpec(
             name="torch",
@@ -22,6 +27,7 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
 
 @hookimpl
 def minisgl_kv_cache_pools() -> Iterable[KVPoolSpec]:
+    """``mha``: the default paged pool."""
     return [
         KVPoolSpec(
             name="mha",
@@ -33,6 +39,7 @@ def minisgl_kv_cache_pools() -> Iterable[KVPoolSpec]:
 
 @hookimpl
 def minisgl_prefix_caches() -> Iterable[PrefixCacheSpec]:
+    """``naive``: the cache that keeps nothing (any real prefix cache outranks it under ``auto``)."""
     return [
         PrefixCacheSpec(
             name="naive",
@@ -45,6 +52,7 @@ def minisgl_prefix_caches() -> Iterable[PrefixCacheSpec]:
 
 @hookimpl
 def minisgl_moe_backends() -> Iterable[MoEBackendSpec]:
+    """``torch``: the reference mixture-of-experts computation."""
     return [
         MoEBackendSpec(
             name="torch",
