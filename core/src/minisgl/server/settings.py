@@ -125,8 +125,12 @@ def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argpa
     }
     for name, info in ServeSettings.model_fields.items():
         group = groups["server" if name in SERVER_ONLY else "model"]
-        default = "required" if info.is_required() else f"default: {info.default}"
-        help_text = f"{info.description} ({default}; env {env_name(name)})"
+        if info.is_required():
+            help_text = f"{info.description} (required; env {env_name(name)})"
+        elif info.default is None:
+            help_text = f"{info.description} (env {env_name(name)})"
+        else:
+            help_text = f"{info.description} (default: {info.default}; env {env_name(name)})"
         flags = [flag_name(name), *FLAG_ALIASES.get(name, [])]
         kind, choices = _plain_type(info.annotation)
         if kind is bool:
