@@ -317,7 +317,8 @@ class PrefixCacheConformance:
         for rid in range(data.draw(st.integers(1, 40), label="num_ops")):
             op = data.draw(st.sampled_from(["add", "step", "step", "step", "finish", "admit"]))
             if op == "add":
-                base = data.draw(st.sampled_from(history)) if history and data.draw(st.booleans()) else []
+                turn: bool = data.draw(st.booleans(), label="continue a conversation")
+                base: list[int] = data.draw(st.sampled_from(history)) if turn and history else []
                 prompt = base + data.draw(seqs) + data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=ps + 1))
                 req = Req(rid, prompt, params, max_new_tokens=data.draw(st.integers(1, 2 * ps)))
                 if kv.fits_ever(req):
