@@ -214,6 +214,22 @@ def test_disconnect_aborts_and_frees_pages(tiny_server: Server, tiny_model: Path
     assert after["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"] < 200
 
 
+def test_non_streaming_client_that_leaves_is_aborted(tiny_server: Server, tiny_model: Path) -> None:
+    before = tiny_server.metrics()
+    body = {"model": tiny_model.name, "prompt": "Go", "max_tokens": 250, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        after = tiny_server.metrics()
+        if after["minisgl_requests_aborted_total"] > before["minisgl_requests_aborted_total"]:
+            break
+        time.sleep(0.2)
+    assert after["minisgl_requests_aborted_total"] == before["minisgl_requests_aborted_total"] + 1
+    assert after["minisgl_kv_pages_used"] == 0 and after["minisgl_num_requests_running"] == 0
+    assert after["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"] < 250
+
+
 def test_metrics_count_tokens(tiny_server: Server, client: Any, tiny_model: Path) -> None:
     before = tiny_server.metrics()
     out = client.completions.create(model=tiny_model.name, prompt="Counting tokens", max_tokens=5, temperature=0)

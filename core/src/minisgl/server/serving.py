@@ -104,14 +104,19 @@ class Generation:
         self.prompt_field = prompt_field
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._early: list[TokenOutput] = []
+        self._check_at = time.monotonic() + 1.0
 
     async def _next(self) -> Any:
         while True:
+            # Outputs may arrive without pause for a long time: look for a gone client every second regardless.
+            now = time.monotonic()
+            if now >= self._check_at:
+                self._check_at = now + 1.0
+                if await self.request.is_disconnected():
+                    raise ClientGone()
             try:
                 msg = await asyncio.wait_for(self.queue.get(), 1.0)
             except TimeoutError:
-                if await self.request.is_disconnected():
-                    raise ClientGone() from None
                 continue
             if isinstance(msg, ServerGone):
                 raise gone_error(str(msg))
