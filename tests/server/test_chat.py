@@ -2,23 +2,72 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pty
+import select
 import sys
+import time
 from pathlib import Path
-
-import pytest
-
-pexpect = pytest.importorskip("pexpect")
 
 PROMPT = ">>> "
 
 
-def ask(child: object, text: str) -> str:
-    child.sendline(text)  # type: ignore[attr-defined]
-    child.expect_exact(PROMPT, timeout=180)  # type: ignore[attr-defined]
+class Terminal:
+    """A child process on a pseudo-terminal (what a person at a keyboard would see and type)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: become the program
+            os.execvpe(args[0], args, env)
+        self.buffer = ""
+
+    def expect(self, text: str, timeout: float = 180) -> str:
+        """Everything printed up to ``text`` (consumed)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.buffer:
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for {text!r}; got {self.buffer!r}"
+            if select.select([self.fd], [], [], left)[0]:
+                try:
+                    data = os.read(self.fd, 4096)
+                except OSError:  # the child closed the terminal
+                    data = b""
+                assert data, f"the program ended before printing {text!r}; got {self.buffer!r}"
+                self.buffer += data.decode("utf-8", errors="replace")
+        before, _, self.buffer = self.buffer.partition(text)
+        return before.replace("\r\n", "\n")
+
+    def sendline(self, text: str) -> None:
+        os.write(self.fd, (text + "\n").encode())
+
+    def wait(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.fd)
+                self.pid = 0
+                return os.waitstatus_to_exitcode(status)
+            if select.select([self.fd], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(self.fd, 4096)
+        raise AssertionError("the program did not exit")
+
+    def kill(self) -> None:
+        if not self.pid:  # already reaped
+            return
+        try:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def ask(term: Terminal, text: str) -> str:
+    term.sendline(text)
     # The terminal echoes the line typed; the reply follows it.
-    out = child.before.replace("\r\n", "\n")  # type: ignore[attr-defined]
-    echoed, _, reply = out.partition("\n")
+    echoed, _, reply = term.expect(PROMPT).partition("\n")
     assert echoed.strip() == text
     return reply.strip()
 
@@ -29,19 +78,18 @@ def test_chat_answers_keeps_history_and_resets(tiny_model: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MINISGL_")}
     args = ["-m", "minisgl", "chat", "--model", str(tiny_model), "--temperature", "0", "--max-tokens", "8",
             "--max-model-len", "256", "--num-pages", "64"]  # fmt: skip
-    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=180)
+    term = Terminal([sys.executable, *args], env)
     try:
-        child.expect_exact(PROMPT)
-        assert "/reset" in child.before and "/exit" in child.before
-        first = ask(child, "hello")
-        second = ask(child, "hello")  # sees the first exchange in its prompt
-        assert ask(child, "/reset") == "(conversation cleared)"
-        third = ask(child, "hello")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF, timeout=60)
+        banner = term.expect(PROMPT)
+        assert "/reset" in banner and "/exit" in banner
+        first = ask(term, "hello")
+        second = ask(term, "hello")  # sees the first exchange in its prompt
+        assert ask(term, "/reset") == "(conversation cleared)"
+        third = ask(term, "hello")
+        term.sendline("/exit")
+        assert term.wait() == 0
     finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
+        term.kill()
 
     # The first reply is what the engine gives for that conversation, in-process.
     with LLM(str(tiny_model), max_model_len=256, num_pages=64) as llm:
