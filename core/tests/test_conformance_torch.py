@@ -36,6 +36,28 @@ class TestTorchBackendBFloat16(AttentionBackendConformance):
         return _builtin_only()
 
 
+@pytest.mark.cuda
+class TestTorchBackendCUDABFloat16(AttentionBackendConformance):
+    """The reference on a GPU in the dtype GPUs serve in (skipped without CUDA)."""
+
+    backend = "torch"
+    device = "cuda"
+    dtype = torch.bfloat16
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+@pytest.mark.cuda
+class TestMHAPoolCUDA(KVPoolConformance):
+    pool = "mha"
+    device = "cuda"
+    dtype = torch.bfloat16
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
 class TestMHAPoolConformance(KVPoolConformance):
     pool = "mha"
 
