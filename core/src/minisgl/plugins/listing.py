@@ -98,6 +98,7 @@ def render_table(registry: PluginRegistry) -> str:
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Entry of ``minisgl plugins``: print the listing; 1 when an engine would refuse to start, else 0."""
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))

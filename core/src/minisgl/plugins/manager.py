@@ -158,7 +158,7 @@ def load_plugins(
         engine start-up); ``False`` keeps the first and records the clash in
         ``registry.conflicts`` (for listings).
     ``discover_installed``
-        ``False`` loads only ``extra`` (plus nothing installed, not even built-ins).
+        ``False`` loads only ``extra``: nothing installed, not even the built-ins (for tests).
     """
     env = os.environ if environ is None else environ
     if strict is None:
