@@ -133,8 +133,12 @@ class _WritesNeighbourSlot(TorchAttnBackend):
 
     def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
         ctx = self.ctx
-        ctx.kv_pool.store_kv(k.view(-1, ctx.num_kv_heads, ctx.head_dim), v.view(-1, ctx.num_kv_heads, ctx.head_dim),
-                             (batch.out_loc + 1) % ctx.kv_pool.layout.num_slots, layer_id)
+        ctx.kv_pool.store_kv(
+            k.view(-1, ctx.num_kv_heads, ctx.head_dim),
+            v.view(-1, ctx.num_kv_heads, ctx.head_dim),
+            (batch.out_loc + 1) % ctx.kv_pool.layout.num_slots,
+            layer_id,
+        )
         return super().forward(q, k, v, layer_id, batch)
 
 
@@ -153,8 +157,12 @@ def _run_all_scenarios(factory) -> None:  # type: ignore[no-untyped-def]
     kit.backend = factory  # type: ignore[assignment]
     kit.load_registry = _builtin_only  # type: ignore[method-assign]
     case = next(c for c in ATTN_CASES if c.page_size == 16 and c.gqa == 2 and c.head_dim == 64)
-    for test in (kit.test_prefill_mixed_lengths, kit.test_extend_on_cached_prefix, kit.test_decode,
-                 kit.test_reused_pages_hold_stale_kv):
+    for test in (
+        kit.test_prefill_mixed_lengths,
+        kit.test_extend_on_cached_prefix,
+        kit.test_decode,
+        kit.test_reused_pages_hold_stale_kv,
+    ):
         test(case)
 
 
@@ -171,8 +179,11 @@ def test_harness_reports_request_and_position() -> None:
     case = ATTN_CASES[0]
     h = AttentionHarness(_DropsLastRow, MHAKVPool, case)
     reqs = [h.add_request(3), h.add_request(5)]
-    with pytest.raises(AssertionError, match=r"step 0 \(prefill, 2 requests, 8 tokens\), layer 0: NaN/inf in output "
-                                             r"rows row 7 = request 1 position 4"):
+    with pytest.raises(
+        AssertionError,
+        match=r"step 0 \(prefill, 2 requests, 8 tokens\), layer 0: NaN/inf in output "
+        r"rows row 7 = request 1 position 4",
+    ):
         h.step([(r, r.prompt_len) for r in reqs])
 
 

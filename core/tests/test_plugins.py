@@ -108,7 +108,9 @@ def test_specs_are_frozen_and_typed() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "q"  # type: ignore[misc]
     assert (spec.kind, ModelSpec(name="M", factory=dict).kind, MoEBackendSpec(name="m", factory=dict).kind) == (
-        "kv_pool", "model", "moe",
+        "kv_pool",
+        "model",
+        "moe",
     )
     assert PrefixCacheSpec(name="c", factory=dict).label == "prefix cache 'c'"
 
@@ -117,8 +119,11 @@ def test_lazy_factory_is_imported_only_on_build() -> None:
     spec = AttentionBackendSpec(name="lazy", factory="no_such_module_for_minisgl.kernels:Backend")
     reg = load(source("lazy", minisgl_attention_backends=[spec]))
     assert reg.get("attention", "lazy") is spec  # registering did not import anything
-    with pytest.raises(PluginError, match=r"cannot load the factory 'no_such_module_for_minisgl.kernels:Backend' "
-                                          r"of attention backend 'lazy': ModuleNotFoundError"):
+    with pytest.raises(
+        PluginError,
+        match=r"cannot load the factory 'no_such_module_for_minisgl.kernels:Backend' "
+        r"of attention backend 'lazy': ModuleNotFoundError",
+    ):
         spec.build(None)
     assert AttentionBackendSpec(name="od", factory="collections:OrderedDict").build(a=1) == {"a": 1}
 
@@ -148,8 +153,11 @@ def test_auto_picks_the_highest_priority_supported_spec() -> None:
     assert reg.pick("attention", "auto", "cuda:1").name == "gpu"  # the device index does not matter
     assert reg.pick("attention", "auto", "cpu").name == "mid"
     assert reg.supported("attention", "cpu") == ["mid", "torch"]
-    with pytest.raises(UnknownComponentError, match=r"^attention backend 'gpu' does not support device 'cpu'; "
-                                                    r"attention backends that do: mid, torch$"):
+    with pytest.raises(
+        UnknownComponentError,
+        match=r"^attention backend 'gpu' does not support device 'cpu'; "
+        r"attention backends that do: mid, torch$",
+    ):
         reg.pick("attention", "gpu", "cpu")
 
 
@@ -174,8 +182,10 @@ def test_name_clash_names_both_distributions() -> None:
     with pytest.raises(PluginError) as info:
         load(a, b)
     msg = str(info.value)
-    assert "attention backend 'fa' is provided by both plugin 'fa' (minisgl-plugin-fa 1.0) and " \
-           "plugin 'fa2' (other-fa-kernels 1.0)" in msg
+    assert (
+        "attention backend 'fa' is provided by both plugin 'fa' (minisgl-plugin-fa 1.0) and "
+        "plugin 'fa2' (other-fa-kernels 1.0)" in msg
+    )
     assert "MINISGL_DISABLE_PLUGINS=fa2" in msg and "override=True" in msg
 
 
@@ -200,8 +210,10 @@ def test_duplicate_within_one_plugin() -> None:
 
 
 def test_same_name_in_different_kinds_is_fine() -> None:
-    reg = load(source("m", minisgl_moe_backends=[MoEBackendSpec(name="torch2", factory=dict)]),
-               source("n", minisgl_kv_cache_pools=[KVPoolSpec(name="torch", factory=dict)]))
+    reg = load(
+        source("m", minisgl_moe_backends=[MoEBackendSpec(name="torch2", factory=dict)]),
+        source("n", minisgl_kv_cache_pools=[KVPoolSpec(name="torch", factory=dict)]),
+    )
     assert reg.get("kv_pool", "torch").factory is dict and reg.get("attention", "torch").factory is not dict
 
 
@@ -215,11 +227,15 @@ def test_override_wins_with_a_warning(order: str) -> None:
     with pytest.warns(PluginWarning) as record:
         reg = load(*sources)
     messages = [str(w.message) for w in record]
-    assert "attention backend 'torch' from plugin 'patch' (my-patch 1.0) overrides the one from plugin 'builtin' " \
+    assert (
+        "attention backend 'torch' from plugin 'patch' (my-patch 1.0) overrides the one from plugin 'builtin' "
         "(minisgl 0.1.0)" in messages
+    )
     if order == "override-first":
-        assert "attention backend 'torch' from plugin 'patch' (my-patch 1.0) overrides the one from plugin 'zzz' " \
+        assert (
+            "attention backend 'torch' from plugin 'patch' (my-patch 1.0) overrides the one from plugin 'zzz' "
             "(zzz-dist 1.0)" in messages
+        )
     assert reg.get("attention", "torch") is mine
     builtin = next(p for p in reg.plugins if p.name == "builtin")
     assert "attention" not in builtin.provides and builtin.overridden == {"attention": ["torch"]}
@@ -238,9 +254,12 @@ def test_two_overrides_are_a_clash() -> None:
 # ------------------------------------------------------- broken plugins
 def test_plugin_that_fails_to_import_is_skipped_with_a_warning() -> None:
     broken = PluginSource("broken", "no_such_module_for_minisgl.plugin", "minisgl-plugin-broken", "0.3")
-    with pytest.warns(PluginWarning, match=r"plugin 'broken' \(minisgl-plugin-broken 0.3\) failed to import "
-                                           r"'no_such_module_for_minisgl.plugin': ModuleNotFoundError: No module "
-                                           r"named 'no_such_module_for_minisgl'; the plugin is skipped"):
+    with pytest.warns(
+        PluginWarning,
+        match=r"plugin 'broken' \(minisgl-plugin-broken 0.3\) failed to import "
+        r"'no_such_module_for_minisgl.plugin': ModuleNotFoundError: No module "
+        r"named 'no_such_module_for_minisgl'; the plugin is skipped",
+    ):
         reg = load(broken)
     info = next(p for p in reg.plugins if p.name == "broken")
     assert info.status == "failed" and info.error.startswith("ModuleNotFoundError")
@@ -281,8 +300,11 @@ def test_hook_returning_the_wrong_thing(result: Any, match: str) -> None:
 
 
 def test_misspelled_hook_is_reported() -> None:
-    with pytest.warns(PluginWarning, match=r"'minisgl_attention_backend' is not a minisgl hook .* did you mean "
-                                           r"'minisgl_attention_backends'"):
+    with pytest.warns(
+        PluginWarning,
+        match=r"'minisgl_attention_backend' is not a minisgl hook .* did you mean "
+        r"'minisgl_attention_backends'",
+    ):
         reg = load(source("typo", minisgl_attention_backend=[attn("t")]))
     assert next(p for p in reg.plugins if p.name == "typo").status == "failed"
 
@@ -332,8 +354,9 @@ def test_unknown_names_in_the_lists_warn() -> None:
     with pytest.warns(PluginWarning) as record:
         load(*_three(), env={"MINISGL_PLUGINS": "a,bb", "MINISGL_DISABLE_PLUGINS": "zzz"})
     messages = [str(w.message) for w in record]
-    assert "MINISGL_PLUGINS names unknown plugin 'bb' (did you mean 'b'?); installed plugins: a, b, builtin, c" \
-        in messages
+    assert (
+        "MINISGL_PLUGINS names unknown plugin 'bb' (did you mean 'b'?); installed plugins: a, b, builtin, c" in messages
+    )
     assert "MINISGL_DISABLE_PLUGINS names unknown plugin 'zzz'; installed plugins: a, b, builtin, c" in messages
 
 
@@ -355,10 +378,18 @@ def test_registries_are_independent() -> None:
 
 # ---------------------------------------------------------- compatibility
 def test_incompatible_core_version() -> None:
-    old = PluginSource("old", plugin("old", minisgl_kv_cache_pools=[KVPoolSpec(name="old-pool", factory=dict)]),
-                       "minisgl-plugin-old", "0.0.9", requires=("torch>=2", "minisgl>=99,<100"))
-    with pytest.warns(PluginWarning, match=rf"plugin 'old' \(minisgl-plugin-old 0.0.9\) is incompatible: requires "
-                                           rf"minisgl<100,>=99, but minisgl {core_version()} is installed"):
+    old = PluginSource(
+        "old",
+        plugin("old", minisgl_kv_cache_pools=[KVPoolSpec(name="old-pool", factory=dict)]),
+        "minisgl-plugin-old",
+        "0.0.9",
+        requires=("torch>=2", "minisgl>=99,<100"),
+    )
+    with pytest.warns(
+        PluginWarning,
+        match=rf"plugin 'old' \(minisgl-plugin-old 0.0.9\) is incompatible: requires "
+        rf"minisgl<100,>=99, but minisgl {core_version()} is installed",
+    ):
         reg = load(old)
     info = next(p for p in reg.plugins if p.name == "old")
     assert info.status == "incompatible" and "requires minisgl" in info.error
@@ -396,8 +427,11 @@ def test_unknown_known_provider_says_what_to_install() -> None:
 
 
 def test_unknown_model_architecture() -> None:
-    with pytest.raises(UnknownComponentError, match=r"^unknown model architecture 'Qwen3MoeForCausalLM'; installed: "
-                                                    r"none. .* pip install minisgl-plugin-qwen3-moe$"):
+    with pytest.raises(
+        UnknownComponentError,
+        match=r"^unknown model architecture 'Qwen3MoeForCausalLM'; installed: "
+        r"none. .* pip install minisgl-plugin-qwen3-moe$",
+    ):
         load().get("model", "Qwen3MoeForCausalLM")
 
 

@@ -55,18 +55,27 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dists")
     made = {
         "good": write_distribution(
-            root / "good", "minisgl-plugin-good", "1.2.0",
+            root / "good",
+            "minisgl-plugin-good",
+            "1.2.0",
             entry_points={"good": "good_plugin.plugin"},
-            files={"good_plugin/__init__.py": "", "good_plugin/plugin.py": GOOD_PLUGIN,
-                   "good_plugin/kernel.py": GOOD_KERNEL},
+            files={
+                "good_plugin/__init__.py": "",
+                "good_plugin/plugin.py": GOOD_PLUGIN,
+                "good_plugin/kernel.py": GOOD_KERNEL,
+            },
         ),
         "broken": write_distribution(
-            root / "broken", "minisgl-plugin-broken", "0.3",
+            root / "broken",
+            "minisgl-plugin-broken",
+            "0.3",
             entry_points={"broken": "broken_plugin"},
             files={"broken_plugin/__init__.py": "import not_installed_kernel_lib  # noqa\n"},
         ),
         "ancient": write_distribution(
-            root / "ancient", "minisgl-plugin-ancient", "0.0.1",
+            root / "ancient",
+            "minisgl-plugin-ancient",
+            "0.0.1",
             entry_points={"ancient": "ancient_plugin"},
             requires=["minisgl>=99"],
             files={"ancient_plugin/__init__.py": "raise RuntimeError('an incompatible plugin must not be imported')\n"},
@@ -74,18 +83,24 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     for key, dist, entry in (("clash_a", "minisgl-plugin-clash-a", "clasha"), ("clash_b", "other-clash-b", "clashb")):
         made[key] = write_distribution(
-            root / key, dist, "2.0",
+            root / key,
+            dist,
+            "2.0",
             entry_points={entry: f"{entry}_plugin"},
-            files={f"{entry}_plugin.py": """
+            files={
+                f"{entry}_plugin.py": """
                 from minisgl.plugins import AttentionBackendSpec, hookimpl
 
                 @hookimpl
                 def minisgl_attention_backends():
                     return [AttentionBackendSpec(name="dup", factory="collections:OrderedDict")]
-            """},
+            """
+            },
         )
     made["same_entry"] = write_distribution(
-        root / "same_entry", "unrelated-dist", "5.0",
+        root / "same_entry",
+        "unrelated-dist",
+        "5.0",
         entry_points={"good": "unrelated_plugin"},
         files={"unrelated_plugin.py": ""},
     )
@@ -143,7 +158,10 @@ def test_listing_json(dists: dict[str, Path]) -> None:
     assert plugins["builtin"]["status"] == "active" and plugins["builtin"]["distribution"] == "minisgl"
     good = plugins["good"]
     assert (good["distribution"], good["version"], good["status"], good["module"]) == (
-        "minisgl-plugin-good", "1.2.0", "active", "good_plugin.plugin",
+        "minisgl-plugin-good",
+        "1.2.0",
+        "active",
+        "good_plugin.plugin",
     )
     assert good["provides"] == {"attention": ["good"], "prefix_cache": ["good-cache"]}
     broken = plugins["broken"]
@@ -154,13 +172,21 @@ def test_listing_json(dists: dict[str, Path]) -> None:
     assert ancient["error"].startswith("requires minisgl>=99, but minisgl ")
     good_row = next(c for c in data["components"]["attention"] if c["name"] == "good")
     assert good_row == {
-        "name": "good", "aliases": ["gd"], "priority": -5, "override": False, "description": "",
-        "factory": "good_plugin.kernel:GoodBackend", "plugin": "good", "distribution": "minisgl-plugin-good",
+        "name": "good",
+        "aliases": ["gd"],
+        "priority": -5,
+        "override": False,
+        "description": "",
+        "factory": "good_plugin.kernel:GoodBackend",
+        "plugin": "good",
+        "distribution": "minisgl-plugin-good",
     }
     assert data["conflicts"] == []
     # The broken plugin's warning names it and its cause, on stderr and in the JSON.
-    assert "plugin 'broken' (minisgl-plugin-broken 0.3) failed to import 'broken_plugin': ModuleNotFoundError: " \
-           "No module named 'not_installed_kernel_lib'" in proc.stderr
+    assert (
+        "plugin 'broken' (minisgl-plugin-broken 0.3) failed to import 'broken_plugin': ModuleNotFoundError: "
+        "No module named 'not_installed_kernel_lib'" in proc.stderr
+    )
     assert any("plugin 'ancient' (minisgl-plugin-ancient 0.0.1) is incompatible" in w for w in data["warnings"])
 
 
@@ -171,7 +197,14 @@ def test_listing_table(dists: dict[str, Path]) -> None:
     assert lines[0].split() == ["DISTRIBUTION", "VERSION", "ENTRY", "STATUS", "PROVIDES"]
     good = lines.index(next(ln for ln in lines if ln.startswith("minisgl-plugin-good ")))
     assert lines[good].split() == [
-        "minisgl-plugin-good", "1.2.0", "good", "active", "attention:", "good", "(alias", "gd)",
+        "minisgl-plugin-good",
+        "1.2.0",
+        "good",
+        "active",
+        "attention:",
+        "good",
+        "(alias",
+        "gd)",
     ]
     assert lines[good + 1].split() == ["prefix_cache:", "good-cache"]
     broken = next(ln for ln in lines if ln.startswith("minisgl-plugin-broken "))
@@ -185,7 +218,9 @@ def test_allow_list_from_the_environment(dists: dict[str, Path]) -> None:
     data, proc = listing(dists["good"], dists["broken"], MINISGL_PLUGINS="good")
     plugins = by_name(data)
     assert (plugins["good"]["status"], plugins["broken"]["status"], plugins["builtin"]["status"]) == (
-        "active", "disabled", "active",
+        "active",
+        "disabled",
+        "active",
     )
     assert "broken" not in proc.stderr  # a disabled plugin is never imported, so it cannot warn
     data, _ = listing(dists["good"], MINISGL_PLUGINS="")
@@ -203,14 +238,23 @@ def test_name_clash_stops_start_up(dists: dict[str, Path]) -> None:
     proc = run(["-c", "from minisgl.plugins import load_plugins; load_plugins()"], dists["clash_a"], dists["clash_b"])
     assert proc.returncode != 0
     assert "PluginError: conflicting plugins:" in proc.stderr
-    assert "attention backend 'dup' is provided by both plugin 'clasha' (minisgl-plugin-clash-a 2.0) and " \
-           "plugin 'clashb' (other-clash-b 2.0)" in proc.stderr
+    assert (
+        "attention backend 'dup' is provided by both plugin 'clasha' (minisgl-plugin-clash-a 2.0) and "
+        "plugin 'clashb' (other-clash-b 2.0)" in proc.stderr
+    )
     data, listed = listing(dists["clash_a"], dists["clash_b"])
     assert listed.returncode == 1 and len(data["conflicts"]) == 1
     assert "error: attention backend 'dup' is provided by both" in listed.stderr
     # Disabling one of them is the documented way out.
-    proc = run(["-c", "from minisgl.plugins import load_plugins; print(load_plugins().provider('attention', 'dup')"
-                ".distribution)"], dists["clash_a"], dists["clash_b"], MINISGL_DISABLE_PLUGINS="clashb")
+    proc = run(
+        [
+            "-c",
+            "from minisgl.plugins import load_plugins; print(load_plugins().provider('attention', 'dup').distribution)",
+        ],
+        dists["clash_a"],
+        dists["clash_b"],
+        MINISGL_DISABLE_PLUGINS="clashb",
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "minisgl-plugin-clash-a"
 
 
@@ -224,8 +268,9 @@ def test_same_entry_name_from_two_distributions(dists: dict[str, Path]) -> None:
 
 
 def test_strict_mode_from_the_environment(dists: dict[str, Path]) -> None:
-    proc = run(["-c", "from minisgl.plugins import load_plugins; load_plugins()"], dists["broken"],
-               MINISGL_STRICT_PLUGINS="1")
+    proc = run(
+        ["-c", "from minisgl.plugins import load_plugins; load_plugins()"], dists["broken"], MINISGL_STRICT_PLUGINS="1"
+    )
     assert proc.returncode != 0
     assert "PluginError: plugin 'broken' (minisgl-plugin-broken 0.3) failed to import 'broken_plugin'" in proc.stderr
     data, listed = listing(dists["broken"], MINISGL_STRICT_PLUGINS="1")

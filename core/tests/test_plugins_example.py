@@ -44,17 +44,27 @@ def test_example_declares_what_the_guide_says() -> None:
 
 
 def test_listed_as_active(installed: dict[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "minisgl", "plugins", "--json"], env=installed,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "minisgl", "plugins", "--json"],
+        env=installed,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     hello = next(p for p in data["plugins"] if p["name"] == "hello")
     assert (hello["distribution"], hello["version"], hello["status"], hello["provides"]) == (
-        "minisgl-plugin-hello", "0.1.0", "active", {"attention": ["hello"]},
+        "minisgl-plugin-hello",
+        "0.1.0",
+        "active",
+        {"attention": ["hello"]},
     )
     row = next(c for c in data["components"]["attention"] if c["name"] == "hello")
     assert (row["aliases"], row["priority"], row["factory"]) == (
-        ["hi"], -10, "minisgl_plugin_hello.backend:HelloAttnBackend",
+        ["hi"],
+        -10,
+        "minisgl_plugin_hello.backend:HelloAttnBackend",
     )
 
 
@@ -62,7 +72,11 @@ def test_example_tests_pass(installed: dict[str, str]) -> None:
     """The example's own suite: the full conformance kit against 'hello', plus its particular tests."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
-        env=installed, capture_output=True, text=True, timeout=600, cwd=EXAMPLE,
+        env=installed,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=EXAMPLE,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
@@ -85,13 +99,32 @@ def test_pip_installs_the_example(tmp_path: Path) -> None:
     source = shutil.copytree(EXAMPLE, tmp_path / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
     target = tmp_path / "site"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(source)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert build.returncode == 0, build.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "-m", "minisgl", "plugins", "--json"], env=subprocess_env(target),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "minisgl", "plugins", "--json"],
+        env=subprocess_env(target),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     hello = next(p for p in json.loads(proc.stdout)["plugins"] if p["name"] == "hello")
     assert (hello["status"], hello["provides"]) == ("active", {"attention": ["hello"]})

@@ -282,5 +282,6 @@ def _check_result(kind: Kind, hook: str, result: object) -> list[ComponentSpec]:
 def _report(message: str, strict: bool) -> None:
     if strict:
         raise PluginError(f"{message} ({ENV_STRICT} is set, so this stops start-up)")
-    warnings.warn(f"{message}; the plugin is skipped (set {ENV_STRICT}=1 to make this fatal)", PluginWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"{message}; the plugin is skipped (set {ENV_STRICT}=1 to make this fatal)", PluginWarning, stacklevel=3
+    )

@@ -163,8 +163,10 @@ class PluginRegistry:
 
     # ------------------------------------------------------------- messages
     def _installed_text(self, kind: Kind) -> str:
-        parts = [f"{n} ({self._components[kind][n].plugin.distribution or self._components[kind][n].plugin.name})"
-                 for n in self.names(kind)]
+        parts = [
+            f"{n} ({self._components[kind][n].plugin.distribution or self._components[kind][n].plugin.name})"
+            for n in self.names(kind)
+        ]
         return ", ".join(parts) or "none"
 
     def _unknown_message(self, kind: Kind, name: str) -> str:
@@ -229,13 +231,15 @@ class RegistryBuilder:
                 self.conflicts.append(f"{info.who} declares {what} twice; give each spec a distinct name and aliases")
                 return
             if spec.override and not clash.spec.override:
-                warnings.warn(f"{what} from {info.who} overrides the one from {clash.plugin.who}", PluginWarning,
-                              stacklevel=4)
+                warnings.warn(
+                    f"{what} from {info.who} overrides the one from {clash.plugin.who}", PluginWarning, stacklevel=4
+                )
                 self._remove(clash)
                 continue
             if clash.spec.override and not spec.override:
-                warnings.warn(f"{what} from {clash.plugin.who} overrides the one from {info.who}", PluginWarning,
-                              stacklevel=4)
+                warnings.warn(
+                    f"{what} from {clash.plugin.who} overrides the one from {info.who}", PluginWarning, stacklevel=4
+                )
                 info.overridden.setdefault(kind, []).append(spec.name)
                 return
             both = "both set override=True" if spec.override else "neither sets override=True"

@@ -150,8 +150,12 @@ class ComponentSpec:
         try:
             return bool(resolve(self.is_supported)(device_type))
         except Exception as exc:  # a broken check means "not supported", never a crash at start-up
-            logger.warning("is_supported check of %s failed (%s: %s); treating it as unsupported",
-                           self.label, type(exc).__name__, exc)
+            logger.warning(
+                "is_supported check of %s failed (%s: %s); treating it as unsupported",
+                self.label,
+                type(exc).__name__,
+                exc,
+            )
             return False
 
 

@@ -67,9 +67,7 @@ class AttnCase:
 ATTN_CASES = tuple(AttnCase(ps, g, d) for ps in (1, 16) for g in (1, 2, 4) for d in (64, 128))
 
 
-def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
-) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Causal attention of one request in float64: ``q`` ``[n, hq, d]`` at positions
     ``start .. start + n - 1`` over ``k``/``v`` ``[start + n, hkv, d]``."""
     gqa = q.shape[1] // k.shape[1]
@@ -257,8 +255,13 @@ class AttentionHarness:
         return shown + (f", ... ({len(rows)} rows)" if len(rows) > 6 else "")
 
     def _check_reference(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want: torch.Tensor,
-        plan: Sequence[tuple[Req, int]], at: str,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        want: torch.Tensor,
+        plan: Sequence[tuple[Req, int]],
+        at: str,
     ) -> None:
         hq, hkv, d = self.case.num_qo_heads, self.case.num_kv_heads, self.case.head_dim
         start = 0
@@ -277,8 +280,13 @@ class AttentionHarness:
             start += n
 
     def _check_kv(
-        self, before: tuple[torch.Tensor, torch.Tensor], out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        layer: int, at: str,
+        self,
+        before: tuple[torch.Tensor, torch.Tensor],
+        out_loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        at: str,
     ) -> None:
         after = self._snapshot(layer, copy=False)
         untouched = torch.ones(self.layout.num_slots, dtype=torch.bool, device=self.device)
@@ -336,9 +344,11 @@ class AttentionBackendConformance:
 
     def make_harness(self, case: AttnCase) -> AttentionHarness:
         skip_without_device(self.device)
-        for value, allowed, what in ((case.page_size, self.page_sizes, "page_sizes"),
-                                     (case.gqa, self.gqa_ratios, "gqa_ratios"),
-                                     (case.head_dim, self.head_dims, "head_dims")):
+        for value, allowed, what in (
+            (case.page_size, self.page_sizes, "page_sizes"),
+            (case.gqa, self.gqa_ratios, "gqa_ratios"),
+            (case.head_dim, self.head_dims, "head_dims"),
+        ):
             if value not in allowed:
                 pytest.skip(f"{value} is not in {type(self).__name__}.{what}")
         backend = getattr(self, "backend", None)

@@ -30,8 +30,9 @@ from ..plugins import ComponentSpec, Kind, PluginRegistry, load_plugins, resolve
 ComponentRef = str | ComponentSpec | Callable[..., Any]
 
 
-def build_component(ref: ComponentRef, kind: Kind, device: str, registry: Callable[[], PluginRegistry],
-                    *args: Any, **kwargs: Any) -> Any:
+def build_component(
+    ref: ComponentRef, kind: Kind, device: str, registry: Callable[[], PluginRegistry], *args: Any, **kwargs: Any
+) -> Any:
     """Build a component named by ``ref``: a registry name, a spec, a lazy ``"pkg.mod:attr"`` or a factory.
 
     A spec (or a registry name) that does not support ``device`` skips the test.

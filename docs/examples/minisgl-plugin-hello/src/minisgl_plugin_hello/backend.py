@@ -19,8 +19,12 @@ class HelloAttnBackend(TorchAttnBackend):
     def __init__(self, ctx: AttentionContext):
         super().__init__(ctx)
         self.tokens_attended = 0
-        logger.info("hello from the 'hello' attention backend (%d query heads, %d KV heads, head dim %d)",
-                    ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim)
+        logger.info(
+            "hello from the 'hello' attention backend (%d query heads, %d KV heads, head dim %d)",
+            ctx.num_qo_heads,
+            ctx.num_kv_heads,
+            ctx.head_dim,
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         self.tokens_attended += q.shape[0]
