@@ -12,6 +12,10 @@ defines any subset of these functions, each decorated with ``@hookimpl``::
     @hookimpl
     def minisgl_attention_backends():
         return [AttentionBackendSpec(name="mykernel", factory="my_pkg.backend:MyBackend")]
+
+The entry module imports only ``minisgl.plugins``: kernel libraries are imported
+by the factory (the lazy ``"module:attribute"`` string), when a component is built.
+docs/plugins.md is the full guide.
 """
 
 from __future__ import annotations
