@@ -37,6 +37,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool = True
     tp: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     plugins: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class EngineConfig:
         check(self.load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got '{self.load_format}'")
         check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0 (0 disables CUDA graphs)")
         check(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        check(self.nnodes >= 1 and self.tp % self.nnodes == 0, "nnodes", f"must divide tp ({self.tp}), got {self.nnodes}")
+        check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
 
     def with_changes(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)

@@ -9,7 +9,7 @@ from typing import Any
 from .config import EngineConfig
 from .core import SamplingParams, TokenLogprob
 from .engine import Engine
-from .models import ModelSource, load_tokenizer
+from .models import eos_token_ids, load_tokenizer
 from .plugins import PluginRegistry
 from .scheduler import Scheduler
 
@@ -26,28 +26,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def eos_ids(hf_config: Any, tokenizer: Any, source: ModelSource | None) -> tuple[int, ...]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
-    found: list[int] = []
-
-    def add(value: Any) -> None:
-        if value is None:
-            return
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v not in found:
-                found.append(v)
-
-    if source is not None:
-        try:
-            from transformers import GenerationConfig
-
-            add(GenerationConfig.from_pretrained(source.path).eos_token_id)
-        except (OSError, ValueError):
-            pass
-    add(getattr(hf_config, "eos_token_id", None))
-    if tokenizer is not None:
-        add(getattr(tokenizer, "eos_token_id", None))
-    return tuple(found)
+# Kept for callers of the earlier location; the implementation lives with the model loader.
+eos_ids = eos_token_ids
 
 
 def stop_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -64,13 +44,24 @@ class LLM:
 
     def __init__(self, model: str, *, registry: PluginRegistry | None = None, tokenizer: Any = None, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = Engine(self.config, registry)
-        if tokenizer is None and self.engine.source is not None:
-            tokenizer = load_tokenizer(self.engine.source)
+        self._ranks: Any = None
+        if self.config.tp > 1:
+            from .plugins import load_plugins
+            from .scheduler.tp import start_tensor_parallel
+
+            reg = registry if registry is not None else load_plugins(self.config.plugins)
+            self.scheduler, self._ranks, own_tokenizer = start_tensor_parallel(self.config, reg)
+            self.engine = self.scheduler.engine
+            tokenizer = tokenizer if tokenizer is not None else own_tokenizer
+        else:
+            self.engine = Engine(self.config, registry)
+            if tokenizer is None and self.engine.source is not None:
+                tokenizer = load_tokenizer(self.engine.source)
+            eos = eos_token_ids(self.engine.hf_config, tokenizer, self.engine.source)
+            detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+            self.scheduler = Scheduler(self.engine, eos_token_ids=eos, detokenize=detok)
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_ids(self.engine.hf_config, tokenizer, self.engine.source)
-        detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
-        self.scheduler = Scheduler(self.engine, eos_token_ids=self.eos_token_ids, detokenize=detok)
+        self.eos_token_ids = self.scheduler.eos_token_ids
         self._closed = False
 
     def __enter__(self) -> LLM:
@@ -80,12 +71,18 @@ class LLM:
         self.close()
 
     def close(self) -> None:
-        """Release the engine's memory. The object is unusable afterwards."""
+        """Release the engine's memory (and stop tensor-parallel ranks). The object is unusable afterwards."""
         if self._closed:
             return
         self._closed = True
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
+        if self._ranks is not None:
+            try:
+                self.scheduler.stop()
+                self._ranks.join()
+            finally:
+                self._ranks.kill()
         del self.scheduler, self.engine
         import gc
 
@@ -123,6 +120,8 @@ class LLM:
                 reqs.append(sched.add_request(self.encode(p), sp))  # type: ignore[arg-type]
             bar = _progress(len(reqs), use_tqdm)
             while any(not r.is_finished for r in reqs):
+                if self._ranks is not None:
+                    self._ranks.check_alive()
                 events = sched.step()
                 if bar is not None:
                     bar.update(sum(1 for e in events if e.finished))

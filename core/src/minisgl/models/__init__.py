@@ -1,7 +1,7 @@
 """The model base class, model context and checkpoint loading."""
 
 from .base import STACKED_PARAMS, CausalLM, DecoderLayer, ModelContext
-from .loader import ModelLoadError, ModelSource, iter_weights, load_config, load_tokenizer
+from .loader import ModelLoadError, ModelSource, eos_token_ids, iter_weights, load_config, load_tokenizer
 
 __all__ = [
     "STACKED_PARAMS",
@@ -10,6 +10,7 @@ __all__ = [
     "ModelContext",
     "ModelLoadError",
     "ModelSource",
+    "eos_token_ids",
     "iter_weights",
     "load_config",
     "load_tokenizer",

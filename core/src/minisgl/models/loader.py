@@ -123,3 +123,27 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(source.path / name), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any, source: ModelSource | None) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in found:
+                found.append(v)
+
+    if source is not None:
+        try:
+            from transformers import GenerationConfig
+
+            add(GenerationConfig.from_pretrained(source.path).eos_token_id)
+        except (OSError, ValueError):
+            pass
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)

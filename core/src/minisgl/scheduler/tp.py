@@ -1,0 +1,182 @@
+"""Starting and stopping the ranks of a tensor-parallel engine.
+
+Rank 0 runs where the caller is (the offline ``LLM`` or a server's scheduler
+process); the other ranks of this node are spawned processes that build the
+same engine on their shard and follow rank 0 (:func:`~.replicated.follow`).
+With several nodes (``nnodes``), node ``k`` starts ranks
+``k * per_node .. (k + 1) * per_node - 1`` and rank 0's node hosts the store at
+``dist_init_addr``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..config import EngineConfig
+from ..distributed.group import TPGroup, free_port, join_group
+from ..engine import Engine
+from ..models import eos_token_ids, load_tokenizer
+from ..plugins import PluginRegistry
+from .replicated import ReplicatedScheduler, exit_with_parent, follow
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed to start or died."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the ranks are: ``tp`` ranks over ``nnodes`` nodes, this node being ``node_rank``."""
+
+    tp: int
+    nnodes: int = 1
+    node_rank: int = 0
+    addr: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.addr:
+            raise ValueError("several nodes need --dist-init-addr HOST:PORT (reachable from every node)")
+
+    @property
+    def per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    def local_ranks(self) -> list[int]:
+        first = self.node_rank * self.per_node
+        return list(range(first, first + self.per_node))
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Topology:
+        addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+        return cls(config.tp, config.nnodes, config.node_rank, addr)
+
+
+def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
+    """The config one rank builds its engine from (its own GPU on CUDA)."""
+    if config.device.startswith("cuda"):
+        return config.with_changes(device=f"cuda:{local_rank}")
+    return config
+
+
+def check_devices(config: EngineConfig, topo: Topology) -> None:
+    if config.device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if topo.per_node > have:
+            raise TensorParallelError(
+                f"--tp {topo.tp} over {topo.nnodes} node(s) needs {topo.per_node} GPUs on this node, found {have}"
+            )
+
+
+def build_rank(
+    config: EngineConfig, rank: int, local_rank: int, topo: Topology, registry: PluginRegistry | None
+) -> tuple[Scheduler, TPGroup, Any]:
+    """Join the group and build this rank's engine, (local) scheduler and tokenizer."""
+    import torch
+
+    cfg = rank_config(config, local_rank)
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = join_group(rank, topo.tp, topo.addr, device)
+    engine = Engine(cfg, registry, tp=group.tp, comm=group.comm)
+    tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
+    detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+    params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, topo.tp, params / 2**20, cfg.device)
+    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
+    return Scheduler(engine, eos_token_ids=eos, detokenize=detok), group, tokenizer
+
+
+def follower_main(config_fields: dict[str, Any], rank: int, local_rank: int, topo_fields: dict[str, Any]) -> None:
+    """Entry point of a spawned non-zero rank."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
+    exit_with_parent()
+    config = EngineConfig(**{**config_fields, "plugins": tuple(config_fields["plugins"] or ()) or None})
+    topo = Topology(**topo_fields)
+    scheduler, group, _ = build_rank(config, rank, local_rank, topo, None)
+    follow(scheduler, group.control)
+
+
+class RankProcesses:
+    """The spawned ranks of this node (all but rank 0 on node 0)."""
+
+    def __init__(self, config: EngineConfig, topo: Topology):
+        ctx = mp.get_context("spawn")
+        fields = asdict(config)
+        fields["plugins"] = list(config.plugins) if config.plugins is not None else None
+        self.procs: list[Any] = []
+        for local, rank in enumerate(topo.local_ranks()):
+            if rank == 0:
+                continue
+            p = ctx.Process(
+                target=follower_main,
+                args=(fields, rank, local, asdict(topo)),
+                name=f"minisgl-tp-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+
+    def check_alive(self) -> None:
+        for p in self.procs:
+            if not p.is_alive():
+                raise TensorParallelError(f"tensor-parallel {p.name} exited with code {p.exitcode}")
+
+    def join(self, timeout: float = 30.0) -> None:
+        for p in self.procs:
+            p.join(timeout)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+
+def start_tensor_parallel(
+    config: EngineConfig, registry: PluginRegistry
+) -> tuple[ReplicatedScheduler, RankProcesses, Any]:
+    """Start every local rank; return rank 0's scheduler, the spawned ranks and the tokenizer (node 0 only)."""
+    topo = Topology.of(config)
+    if topo.node_rank != 0:
+        raise TensorParallelError("rank 0 runs on node 0; other nodes run followers only")
+    check_devices(config, topo)
+    config = config.with_changes(plugins=tuple(registry.active_plugin_names()), dist_init_addr=topo.addr)
+    procs = RankProcesses(config, topo)
+    try:
+        local, group, tokenizer = build_rank(config, 0, 0, topo, registry)
+    except BaseException:
+        procs.kill()
+        raise
+    return ReplicatedScheduler(local, group.control), procs, tokenizer
+
+
+def run_follower_node(config: EngineConfig) -> int:
+    """A node other than node 0: start its ranks and wait for them."""
+    topo = Topology.of(config)
+    check_devices(config, topo)
+    from ..plugins import load_plugins
+
+    registry = load_plugins(config.plugins)
+    config = config.with_changes(plugins=tuple(registry.active_plugin_names()))
+    procs = RankProcesses(config, topo)
+    for p in procs.procs:
+        p.join()
+    return max((p.exitcode or 0 for p in procs.procs), default=0)
