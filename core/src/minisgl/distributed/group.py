@@ -20,6 +20,9 @@ from .comm import Communicator
 from .info import TPInfo
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+# Followers wait on the control channel for as long as rank 0 is idle (a server with no
+# requests), so it never times out; a dead peer is noticed through its closed connection.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 class DistributedError(RuntimeError):
@@ -106,7 +109,7 @@ def join_group(
             f"rank {rank} could not reach the tensor-parallel group at {addr}: {exc}; "
             "check --dist-init-addr and that rank 0 is running"
         ) from exc
-    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, timeout)
+    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, CONTROL_TIMEOUT)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", store), rank, world_size, opts)
