@@ -82,6 +82,10 @@ class KVCacheManager:
     def free_pages(self) -> int:
         return len(self._free_pages)
 
+    def free_page_ids(self) -> list[int]:
+        """The free list itself (a copy), for accounting checks."""
+        return list(self._free_pages)
+
     @property
     def cache_pages(self) -> int:
         return self.cache.total_size() // self.page_size
@@ -132,10 +136,12 @@ class KVCacheManager:
     def _share_prefix(self, row: int, state: _RowState) -> None:
         """Offer a running request's computed page-aligned prompt prefix to the cache.
 
-        If the cache takes it, the request's lock moves to the longer prefix and
-        the row's slots for those tokens become the cache's (pages the cache
-        already held a copy of are freed), exactly as if the request had matched
-        that prefix at admission.
+        If the cache takes it, the request's lock moves to the longer prefix, as
+        if the request had matched all of it at admission; its pages now belong
+        to the cache. A request whose tokens the cache already holds in other
+        pages (two requests computed the same prompt at once) keeps its own
+        copy until it finishes: switching its row to the cache's pages would
+        change slots a device-side page table has already been given.
         """
         req = state.req
         end = min(req.cached_len, req.prompt_len)
@@ -144,24 +150,20 @@ class KVCacheManager:
             return
         state.offered_len = end
         tokens = req.input_ids[:end]
-        slots = self.cpu_table[row, :end].to(torch.int64)
-        kept_from = self.cache.insert(tokens, slots)
+        if self.cache.match_prefix(tokens).length != state.shared_len:
+            return
+        kept_from = self.cache.insert(tokens, self.cpu_table[row, :end].to(torch.int64))
+        if kept_from >= end:
+            return  # the cache keeps nothing (e.g. "naive"): the request keeps owning its pages
         match = self.cache.match_prefix(tokens)
-        if match.length < end:
-            if kept_from < end:
-                raise RuntimeError(
-                    f"prefix cache {type(self.cache).__name__} kept slots [{kept_from}, {end}) of an insert "
-                    f"but then matched only {match.length} tokens of it"
-                )
-            return  # the cache declined (e.g. "naive"): the request keeps owning its pages
+        if kept_from != state.shared_len or match.length != end:
+            raise RuntimeError(
+                f"prefix cache {type(self.cache).__name__} broke its contract: it held {state.shared_len} tokens "
+                f"of a {end}-token insert, which returned {kept_from}, and then matched {match.length}"
+            )
         self.cache.lock(match.handle)
         self.cache.unlock(req.cache_handle)
         req.cache_handle = match.handle
-        dup_end = max(kept_from, state.shared_len)
-        if dup_end > state.shared_len:
-            # The cache already held these tokens in other pages: use its copy, free ours.
-            self._return_slots(slots[state.shared_len : dup_end])
-            self._write_row(row, state.shared_len, match.slots[state.shared_len : dup_end])
         state.shared_len = end
 
     def _write_row(self, row: int, start: int, slots: torch.Tensor) -> None:

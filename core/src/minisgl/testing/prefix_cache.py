@@ -315,7 +315,7 @@ class PrefixCacheConformance:
         seqs = _sequences(ps)
         params = SamplingParams(temperature=0.0)
         for rid in range(data.draw(st.integers(1, 40), label="num_ops")):
-            op = data.draw(st.sampled_from(["add", "step", "step", "step", "finish", "admit"]))
+            op = data.draw(st.sampled_from(["add", "step", "step", "step", "finish", "admit", "reset_cache"]))
             if op == "add":
                 turn: bool = data.draw(st.booleans(), label="continue a conversation")
                 base: list[int] = data.draw(st.sampled_from(history)) if turn and history else []
@@ -346,9 +346,13 @@ class PrefixCacheConformance:
                 req = data.draw(st.sampled_from(live))
                 live.remove(req)
                 kv.release(req)
+            elif op == "reset_cache":  # evict everything unlocked: what a request uses must survive
+                kv.reset_cache()
             kv.check_accounting(live)
+            free = {p * ps + o for p in kv.free_page_ids() for o in range(ps)}
             for req in live:  # every slot a request will read holds the KV of exactly its prefix
                 row = kv.cpu_table[req.table_idx, : req.cached_len].tolist()
+                assert not free & set(row), f"request {req.rid} reads free slots {sorted(free & set(row))[:4]}"
                 for pos, slot in enumerate(row):
                     assert contents.get(slot) == tuple(req.all_ids[: pos + 1]), (
                         f"request {req.rid} reads slot {slot} for position {pos}, which holds other KV"
