@@ -274,11 +274,15 @@ def assert_error(resp: httpx.Response, status: int, param: str | None, *fragment
         ("/v1/chat/completions", {"messages": MESSAGES, "stop": [""]}, "stop", "non-empty"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "list of token ids"),
-        ("/v1/completions", {"prompt": []}, "prompt", "list of token ids"),
+        ("/v1/completions", {"prompt": []}, "prompt", "the prompt list is empty"),
         ("/v1/completions", {"prompt": "x", "frequency_penalty": 9}, "frequency_penalty", "less than or equal to 2"),
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
         ("/v1/completions", {"prompt": [999999]}, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {"prompt": [[1], [-4]]}, "prompt", "token id -4 is not a valid token id"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "less than or equal to"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2**40}, "max_tokens", "less than or equal to"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids", "below 2**31"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(

@@ -70,9 +70,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the request body must be a JSON object: {err['msg']}")
     if err.get("type") == "missing":
         return APIError(400, f"{param}: this field is required", param=param)
-    if param.startswith("prompt"):
+    if param.startswith("prompt") and err.get("type") != "value_error":
         message = "expected a string, a list of strings, a list of token ids or a list of token-id lists"
         return APIError(400, f"prompt: {message}", param="prompt")
+    if err.get("type") == "value_error":
+        return APIError(400, f"{param}: {str(err['msg']).removeprefix('Value error, ')}", param=param)
     got = repr(err.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
     return APIError(400, f"{param}: {err['msg']} (got {got})", param=param)

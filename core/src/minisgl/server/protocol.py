@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..core import SamplingParams
 
+_INT32 = 2**31 - 1  # bounds keep every value msgpack- and tensor-friendly
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -54,12 +56,12 @@ class _Sampling(_Body):
     """Fields shared by chat and completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=_INT32)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=_INT32)
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -85,8 +87,8 @@ class _Sampling(_Body):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
+        if v is not None and any(not 0 <= t <= _INT32 for t in v):
+            raise ValueError("token ids must be non-negative (and below 2**31)")
         return v
 
     @property
@@ -119,7 +121,7 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -136,7 +138,7 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``. ``prompt``: a string, strings, a token-id list or token-id lists."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=_INT32)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -148,6 +150,10 @@ class CompletionRequest(_Sampling):
             raise ValueError("the prompt list is empty")
         if isinstance(v, list) and any(isinstance(p, list) and not p for p in v):
             raise ValueError("a token-id prompt is empty")
+        ids = [t for p in v for t in (p if isinstance(p, list) else [p])] if isinstance(v, list) else []
+        bad = next((t for t in ids if isinstance(t, int) and not 0 <= t <= _INT32), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is not a valid token id")
         return v
 
     def prompts(self) -> list[str | list[int]]:
