@@ -45,9 +45,19 @@ def test_tp2_qwen3_moe_equals_tp1(tmp_path: Path) -> None:
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=1024, mlp_only_layers=[1], tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
     )
     save_tiny_model("Qwen3MoeForCausalLM", tmp_path, config=config)
     assert _generate(tmp_path, tp=2) == _generate(tmp_path)
@@ -55,7 +65,9 @@ def test_tp2_qwen3_moe_equals_tp1(tmp_path: Path) -> None:
 
 def test_indivisible_heads_are_a_clear_error(tmp_path: Path) -> None:
     save_tiny_model("LlamaForCausalLM", tmp_path, num_attention_heads=4, num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"number of attention heads \(4\) is not divisible by the tensor-parallel size 3"):
+    with pytest.raises(
+        ValueError, match=r"number of attention heads \(4\) is not divisible by the tensor-parallel size 3"
+    ):
         LLM(str(tmp_path), tp=3)
     _assert_no_rank_processes()
 

@@ -45,7 +45,9 @@ def _test_models_plugin() -> types.ModuleType:
 @pytest.fixture(scope="session")
 def registry() -> PluginRegistry:
     """Built-ins plus the test model, whatever else is installed."""
-    return load_plugins(only=["builtin", "core-test-models"], extra=[PluginSource("core-test-models", _test_models_plugin())])
+    return load_plugins(
+        only=["builtin", "core-test-models"], extra=[PluginSource("core-test-models", _test_models_plugin())]
+    )
 
 
 @pytest.fixture(scope="session")

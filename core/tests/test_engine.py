@@ -64,7 +64,9 @@ def test_prompt_longer_than_context_is_rejected(make_llm) -> None:
     llm = make_llm(max_model_len=64)
     with pytest.raises(ValidationError, match="the prompt has 80 tokens, but the context length is 64"):
         llm.generate([[5] * 80], SamplingParams(max_tokens=4))
-    with pytest.raises(ValidationError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds the context length 64"):
+    with pytest.raises(
+        ValidationError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds the context length 64"
+    ):
         llm.generate([[5] * 60], SamplingParams(max_tokens=10))
 
 
@@ -78,7 +80,9 @@ def test_bad_prompts_are_rejected(make_llm) -> None:
 
 def test_request_that_can_never_fit_gets_a_clear_error(make_llm) -> None:
     llm = make_llm(page_size=4, num_pages=9)
-    with pytest.raises(ValidationError, match=r"needs 40 tokens of KV cache \(10 pages\) but the pool has only 8 pages"):
+    with pytest.raises(
+        ValidationError, match=r"needs 40 tokens of KV cache \(10 pages\) but the pool has only 8 pages"
+    ):
         llm.generate([[5] * 20], SamplingParams(max_tokens=20))
 
 
@@ -102,7 +106,9 @@ def test_sampling_params_validation() -> None:
 
 
 def test_unknown_components_name_what_is_installed(tiny_dir, registry) -> None:
-    with pytest.raises(UnknownComponentError, match=r"unknown attention backend 'flashinfr'; installed: torch \(minisgl\)"):
+    with pytest.raises(
+        UnknownComponentError, match=r"unknown attention backend 'flashinfr'; installed: torch \(minisgl\)"
+    ):
         LLM(str(tiny_dir), registry=registry, attention_backend="flashinfr")
     # A known name from a project plugin that this registry lacks: the message names the package.
     with pytest.raises(UnknownComponentError, match="'fa' is provided by minisgl-plugin-fa"):
@@ -113,7 +119,11 @@ def test_unknown_architecture_is_reported(tmp_path, registry) -> None:
     from minisgl.testing.models import save_tiny_model
 
     save_tiny_model("Qwen3ForCausalLM", tmp_path)
-    with pytest.raises(UnknownComponentError, match=r"unknown model architecture 'Qwen3ForCausalLM'; installed: LlamaForCausalLM.*provided by minisgl-plugin-llama"):
+    with pytest.raises(
+        UnknownComponentError,
+        match=r"unknown model architecture 'Qwen3ForCausalLM'; installed: LlamaForCausalLM"
+        r".*provided by minisgl-plugin-llama",
+    ):
         LLM(str(tmp_path), registry=registry)
 
 

@@ -32,7 +32,9 @@ def _reference(hf_model, prompt: list[int], steps: int, penalize) -> list[int]: 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(make_llm) -> None:
     llm = make_llm()
-    params = [SamplingParams(temperature=1.0, seed=1234 + i, max_tokens=16, ignore_eos=True) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=1.0, seed=1234 + i, max_tokens=16, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     first = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     second = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert first == second

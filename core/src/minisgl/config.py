@@ -49,7 +49,11 @@ class EngineConfig:
             if not ok:
                 raise ValidationError(name, message)
 
-        check(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device", f"must be 'cpu' or 'cuda', got '{self.device}'")
+        check(
+            self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            f"must be 'cpu' or 'cuda', got '{self.device}'",
+        )
         check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
         check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         check(self.max_running_requests >= 1, "max_running_requests", f"must be >= 1, got {self.max_running_requests}")
@@ -57,10 +61,14 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         check(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be >= 2")
         check(0 < self.mem_fraction <= 1, "mem_fraction", f"must be in (0, 1], got {self.mem_fraction}")
-        check(self.load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got '{self.load_format}'")
+        check(
+            self.load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got '{self.load_format}'"
+        )
         check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0 (0 disables CUDA graphs)")
         check(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
-        check(self.nnodes >= 1 and self.tp % self.nnodes == 0, "nnodes", f"must divide tp ({self.tp}), got {self.nnodes}")
+        check(
+            self.nnodes >= 1 and self.tp % self.nnodes == 0, "nnodes", f"must divide tp ({self.tp}), got {self.nnodes}"
+        )
         check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
 
     def with_changes(self, **changes: Any) -> EngineConfig:

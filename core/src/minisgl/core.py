@@ -57,7 +57,9 @@ class SamplingParams:
             "max_tokens",
             f"must be a positive integer, got {self.max_tokens}",
         )
-        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(
+            -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
+        )
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         check(
@@ -69,7 +71,9 @@ class SamplingParams:
         for s in self.stop_strings:
             check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
         for t in self.stop_ids:
-            check(isinstance(t, int) and t >= 0, "stop_token_ids", f"token ids must be non-negative integers, got {t!r}")
+            check(
+                isinstance(t, int) and t >= 0, "stop_token_ids", f"token ids must be non-negative integers, got {t!r}"
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from .engine import Engine
 from .models import eos_token_ids, load_tokenizer
 from .plugins import PluginRegistry
 from .scheduler import Scheduler
+from .scheduler.replicated import ReplicatedScheduler
 
 
 @dataclass
@@ -45,6 +46,7 @@ class LLM:
     def __init__(self, model: str, *, registry: PluginRegistry | None = None, tokenizer: Any = None, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
         self._ranks: Any = None
+        self.scheduler: Scheduler
         if self.config.tp > 1:
             from .plugins import load_plugins
             from .scheduler.tp import start_tensor_parallel
@@ -79,6 +81,7 @@ class LLM:
             self.scheduler.abort(req.rid)
         if self._ranks is not None:
             try:
+                assert isinstance(self.scheduler, ReplicatedScheduler)
                 self.scheduler.stop()
                 self._ranks.join()
             finally:
@@ -105,9 +108,8 @@ class LLM:
         """Generate for every prompt (text or token ids); outputs in prompt order."""
         if self._closed:
             raise RuntimeError("this LLM has been closed")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        prompt_list: list[Any] = [prompts] if single else list(prompts)
         if params is None:
             params = SamplingParams()
         param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)

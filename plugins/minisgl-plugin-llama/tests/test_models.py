@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -30,7 +28,9 @@ def references(tiny_model) -> dict[str, list[list[int]]]:
 def test_greedy_matches_transformers(tiny_model, references, page_size: int, chunk: int) -> None:
     _, path, _ = tiny_model
     with LLM(str(path), page_size=page_size, chunked_prefill_size=chunk, max_running_requests=8) as llm:
-        outs = llm.generate(references["prompts"], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        outs = llm.generate(
+            references["prompts"], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        )
         assert [o.token_ids for o in outs] == references["outputs"]
         assert all(o.finish_reason == "length" for o in outs)
         llm.check_accounting()

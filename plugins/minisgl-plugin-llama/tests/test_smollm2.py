@@ -21,7 +21,9 @@ def _chat_prompt(llm: LLM, question: str) -> str:
 
 
 def test_capital_of_france(llm: LLM) -> None:
-    out = llm.generate([_chat_prompt(llm, "What is the capital of France?")], SamplingParams(temperature=0, max_tokens=32))
+    out = llm.generate(
+        [_chat_prompt(llm, "What is the capital of France?")], SamplingParams(temperature=0, max_tokens=32)
+    )
     assert "Paris" in out[0].text
     assert out[0].finish_reason == "stop"
 
@@ -36,8 +38,13 @@ def test_first_32_tokens_match_transformers(llm: LLM) -> None:
     ids = llm.tokenizer.encode(prompt)
     with torch.no_grad():
         ref = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
-        )[0, len(ids):].tolist()
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert out[0].token_ids == ref

@@ -73,7 +73,11 @@ class ControlChannel:
         self.pg.broadcast(size, 0).wait()
         if self.rank == 0:
             assert payload is not None
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+            data = (
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                if payload
+                else torch.empty(0, dtype=torch.uint8)
+            )
         else:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         if data.numel():
@@ -115,4 +119,6 @@ def join_group(
         pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", store), rank, world_size, opts)
     else:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("tensors", store), rank, world_size, timeout)
-    return TPGroup(TPInfo(rank, world_size), ProcessGroupCommunicator(pg, world_size), ControlChannel(ctrl, rank), store)
+    return TPGroup(
+        TPInfo(rank, world_size), ProcessGroupCommunicator(pg, world_size), ControlChannel(ctrl, rank), store
+    )

@@ -67,7 +67,7 @@ STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
 
 
 class _Backbone(nn.Module):
-    def __init__(self, embed: nn.Module, layers: nn.ModuleList, norm: nn.Module):
+    def __init__(self, embed: nn.Module, layers: nn.ModuleList, norm: RMSNorm):
         super().__init__()
         self.embed_tokens = embed
         self.layers = layers

@@ -31,7 +31,9 @@ class ModelSource:
             return cls.from_path(model_in_distribution(path[len("dist:") :]))
         p = Path(path).expanduser()
         if not p.exists():
-            raise ModelLoadError(f"model path '{p}' does not exist (expected a Hugging Face model directory or a .gguf file)")
+            raise ModelLoadError(
+                f"model path '{p}' does not exist (expected a Hugging Face model directory or a .gguf file)"
+            )
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file '{p}' is not a .gguf file; pass a model directory or a .gguf file")
@@ -121,7 +123,7 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError(f"no *.safetensors weights in '{source.path}'")
     for name in files:
         with safe_open(str(source.path / name), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
                 yield key, f.get_tensor(key)
 
 

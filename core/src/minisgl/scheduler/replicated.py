@@ -21,34 +21,28 @@ import msgpack
 
 from ..core import Req, SamplingParams
 from ..distributed.group import ControlChannel
+from ..engine import Engine
 from .scheduler import Scheduler, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 
-class ReplicatedScheduler:
-    """Rank 0's scheduler: a local :class:`Scheduler` whose calls are mirrored to the other ranks.
+class ReplicatedScheduler(Scheduler):
+    """Rank 0's scheduler: a :class:`Scheduler` whose calls are mirrored to the other ranks."""
 
-    It offers the same methods as :class:`Scheduler`; attributes it does not
-    define (``engine``, ``kv``, ``stats``, ``running`` ...) are the local scheduler's.
-    """
-
-    def __init__(self, local: Scheduler, control: ControlChannel):
-        self.local = local
+    def __init__(self, engine: Engine, *, control: ControlChannel, **kwargs: Any):
+        super().__init__(engine, **kwargs)
         self.control = control
         self._pending: list[list[Any]] = []
         self._stopped = False
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.local, name)
-
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
-        req = self.local.add_request(input_ids, params, rid)  # validation errors stop here, unmirrored
+        req = super().add_request(input_ids, params, rid)  # validation errors stop here, unmirrored
         self._pending.append(["add", req.rid, req.input_ids, params.to_dict()])
         return req
 
     def abort(self, rid: int) -> Req | None:
-        req = self.local.abort(rid)
+        req = super().abort(rid)
         if req is not None:
             self._pending.append(["abort", rid])
         return req
@@ -57,16 +51,10 @@ class ReplicatedScheduler:
         self._pending.append(["step"])
         self.control.broadcast(msgpack.packb(self._pending))
         self._pending = []
-        return self.local.step()
-
-    def sync(self) -> None:
-        """Send pending adds/aborts without stepping (e.g. before idling)."""
-        if self._pending:
-            self.control.broadcast(msgpack.packb(self._pending))
-            self._pending = []
+        return super().step()
 
     def stop(self) -> None:
-        """Tell the other ranks to exit their loops."""
+        """Tell the other ranks to leave their loops (pending adds/aborts go first)."""
         if not self._stopped:
             self._stopped = True
             self.control.broadcast(msgpack.packb([*self._pending, ["stop"]]))

@@ -96,6 +96,8 @@ def build_rank(
     params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, topo.tp, params / 2**20, cfg.device)
     eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
+    if rank == 0:
+        return ReplicatedScheduler(engine, control=group.control, eos_token_ids=eos, detokenize=detok), group, tokenizer
     return Scheduler(engine, eos_token_ids=eos, detokenize=detok), group, tokenizer
 
 
@@ -161,11 +163,12 @@ def start_tensor_parallel(
     config = config.with_changes(plugins=tuple(registry.active_plugin_names()), dist_init_addr=topo.addr)
     procs = RankProcesses(config, topo)
     try:
-        local, group, tokenizer = build_rank(config, 0, 0, topo, registry)
+        scheduler, _, tokenizer = build_rank(config, 0, 0, topo, registry)
     except BaseException:
         procs.kill()
         raise
-    return ReplicatedScheduler(local, group.control), procs, tokenizer
+    assert isinstance(scheduler, ReplicatedScheduler)
+    return scheduler, procs, tokenizer
 
 
 def run_follower_node(config: EngineConfig) -> int:

@@ -46,9 +46,7 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
     return getattr(transformers, config_cls)(**fields)
 
 
-def save_tiny_model(
-    architecture: str, path: str | Path, *, seed: int = 0, config: Any = None, **overrides: Any
-) -> Any:
+def save_tiny_model(architecture: str, path: str | Path, *, seed: int = 0, config: Any = None, **overrides: Any) -> Any:
     """Build a random ``architecture`` model with transformers, save it to ``path`` and return it (eval mode).
 
     Weights are scaled up from transformers' tiny initialisation so that greedy
@@ -57,8 +55,10 @@ def save_tiny_model(
     import transformers
 
     cfg = config if config is not None else tiny_config(architecture, **overrides)
-    model_cls = getattr(transformers, TINY_ARCHITECTURES[architecture][1]) if config is None else getattr(
-        transformers, architecture
+    model_cls = (
+        getattr(transformers, TINY_ARCHITECTURES[architecture][1])
+        if config is None
+        else getattr(transformers, architecture)
     )
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
