@@ -95,3 +95,29 @@ def _assert_no_rank_processes() -> None:
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("minisgl-tp-")]
+
+
+def test_two_nodes_on_loopback_equal_tp1(tmp_path: Path) -> None:
+    """--nnodes 2, one rank each: node 1 runs in its own process, started like a second machine would."""
+    import subprocess
+    import sys
+
+    from minisgl.distributed.group import free_port
+
+    save_tiny_model("LlamaForCausalLM", tmp_path)
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from minisgl.config import EngineConfig; from minisgl.scheduler.tp import run_follower_node; "
+            f"sys.exit(run_follower_node(EngineConfig(model={str(tmp_path)!r}, page_size=4, chunked_prefill_size=64, "
+            f"tp=2, nnodes=2, node_rank=1, dist_init_addr={addr!r})))",
+        ]
+    )
+    try:
+        two_nodes = _generate(tmp_path, tp=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+        assert node1.wait(timeout=60) == 0
+    finally:
+        node1.kill()
+    assert two_nodes == _generate(tmp_path)
