@@ -91,8 +91,13 @@ def test_killed_scheduler_gives_503_and_the_server_exits(tiny_model: Path, tmp_p
         deadline = time.monotonic() + 30
         while server.metrics()["minisgl_num_requests_running"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+        streaming, streamed = stream_in_background(server, {**body, "stream": True})
         os.kill(server.worker_pids()["scheduler-0"], signal.SIGKILL)
         thread.join(60)
+        streaming.join(60)
+        # A stream already under way ends with an error event (its status line was sent long ago).
+        assert streamed["status"] == 200
+        assert '"code": "service_unavailable"' in streamed["text"] and streamed["text"].endswith("data: [DONE]\n\n")
         assert result["status"] == 503, result
         assert "scheduler-0" in result["body"]["error"]["message"]
         assert "signal 9" in result["body"]["error"]["message"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TextIO
 
 from .settings import ServeSettings, SettingsError, build_parser, settings_from_args
@@ -87,8 +87,11 @@ def run_chat(
         history.append({"role": "user", "content": text})
         prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
+        # Long conversations get shorter replies rather than none, until the prompt alone fills the context.
+        room = int(sched.engine.max_model_len) - len(ids)
+        turn = replace(params, max_tokens=max(1, min(max_tokens, room)))
         try:
-            req = sched.add_request(ids, params)
+            req = sched.add_request(ids, turn)
         except ValidationError as exc:
             history.pop()
             print(f"(cannot answer: {exc.message}; /reset starts a new conversation)", file=out, flush=True)
