@@ -10,6 +10,8 @@ be close. Skipped without CUDA (and the flashinfer ones without flashinfer).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -59,12 +61,62 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
+# A random tiny model in bf16 has many near-ties among its top logits; the two backends'
+# last-ulp differences flip some of them, and greedy decoding then diverges for the rest
+# of the sequence. So a mismatch is accepted only where the reference itself barely
+# prefers its token: by less than TIE standard deviations of that position's logits.
+TIE = 0.05
+
+
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    llm: LLM  # torch attention, kept open to score continuations (teacher forcing)
+
+
+def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
+    """Logits at every position of each sequence, concatenated (one prefill batch)."""
+    sched = llm.scheduler
+    reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
+    for r in reqs:
+        assert llm.engine.kv.try_admit(r)
+        r.device_len = r.prompt_len
+    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
+    sched._prepare(batch)
+    logits = llm.engine.prefill_logits(batch).float()
+    for r in reqs:
+        sched.waiting.remove(r)
+        llm.engine.kv.release(r)
+    return logits
+
+
+def _check_divergences(ref: Reference, tokens: list[list[int]], label: str) -> None:
+    """Every sequence equals the reference up to a near-tie (or entirely)."""
+    diverged = []
+    for i, (got, want) in enumerate(zip(tokens, ref.tokens, strict=True)):
+        j = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if j is not None:
+            diverged.append((i, j, got[j]))
+    if not diverged:
+        return
+    seqs = [ref.prompts[i] + ref.tokens[i][:j] for i, j, _ in diverged]
+    logits = _logits(ref.llm, seqs)
+    ends = torch.tensor([len(q) for q in seqs]).cumsum(0) - 1
+    for (i, j, tok), row in zip(diverged, logits[ends.to(logits.device)], strict=True):
+        margin = float(row[ref.tokens[i][j]] - row[tok])
+        assert margin <= TIE * float(row.std()), (
+            f"{label}: sequence {i} diverges at token {j} where the reference prefers its token by {margin:.4f} "
+            f"(> {TIE} x std {float(row.std()):.3f}): not a near-tie"
+        )
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+def reference(model_dir: Path, prompts: list[list[int]]) -> Iterator[Reference]:
     tokens, llm = _generate(model_dir, prompts, attention_backend="torch", overlap_schedule=False)
     assert llm.engine.graphs is None  # the torch backend has no graph hooks: eager decode
+    yield Reference(prompts, tokens, llm)
     llm.close()
-    return tokens
 
 
 @needs_flashinfer
@@ -72,11 +124,11 @@ def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "lockstep"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_greedy_agrees_with_torch(
-    model_dir: Path, prompts: list[list[int]], reference: list[list[int]], graphs: bool, overlap: bool, page_size: int
+    model_dir: Path, reference: Reference, graphs: bool, overlap: bool, page_size: int
 ) -> None:
     tokens, llm = _generate(
         model_dir,
-        prompts,
+        reference.prompts,
         attention_backend="flashinfer",
         page_size=page_size,
         cuda_graph_max_bs=16 if graphs else 0,
@@ -87,49 +139,40 @@ def test_flashinfer_greedy_agrees_with_torch(
     assert llm.scheduler.overlap == overlap
     llm.close()
     assert all(len(t) == NEW_TOKENS for t in tokens)
-    agree = _agreement(tokens, reference)
-    assert agree >= 0.99, f"top-1 agreement with the torch backend {agree:.3f}"
+    _check_divergences(reference, tokens, f"graphs={graphs} overlap={overlap} page_size={page_size}")
 
 
 @needs_flashinfer
 @pytest.mark.parametrize("attn", ["flashinfer,torch", "torch,flashinfer", "auto"])
-def test_hybrid_and_auto_backends(
-    model_dir: Path, prompts: list[list[int]], reference: list[list[int]], attn: str
-) -> None:
-    tokens, llm = _generate(model_dir, prompts, attention_backend=attn)
+def test_hybrid_and_auto_backends(model_dir: Path, reference: Reference, attn: str) -> None:
+    tokens, llm = _generate(model_dir, reference.prompts, attention_backend=attn)
     name = type(llm.engine.attn).__name__
     expected = {"auto": "FlashInferAttnBackend"}.get(attn, "HybridAttnBackend")
     assert name == expected
     # Graphs follow the decode backend: torch decode runs eagerly.
     assert (llm.engine.graphs is not None) == attn.endswith(("flashinfer", "auto"))
     llm.close()
-    agree = _agreement(tokens, reference)
-    assert agree >= 0.99, f"{attn}: top-1 agreement with the torch backend {agree:.3f}"
+    _check_divergences(reference, tokens, attn)
 
 
 @needs_flashinfer
-def test_prefill_logits_close_to_torch(model_dir: Path, prompts: list[list[int]]) -> None:
-    logits = {}
-    for attn in ("torch", "flashinfer"):
-        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend=attn, cuda_graph_max_bs=0)
-        sched = llm.scheduler
-        reqs = [sched.add_request(p, SamplingParams(max_tokens=1)) for p in prompts[:6]]
-        for r in reqs:
-            assert llm.engine.kv.try_admit(r)
-            r.device_len = r.prompt_len
-        batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-        sched._prepare(batch)
-        logits[attn] = llm.engine.prefill_logits(batch).float()
-        for r in reqs:
-            sched.waiting.remove(r)
-            llm.engine.kv.release(r)
-        llm.close()
-    ref, got = logits["torch"], logits["flashinfer"]
+def test_teacher_forced_logits_close_to_torch(model_dir: Path, reference: Reference) -> None:
+    """Prompt plus reference continuation through both backends: logits close, top-1 agrees
+    at >= 99% of the positions where the reference's choice is not a near-tie."""
+    seqs = [p + t for p, t in zip(reference.prompts, reference.tokens, strict=True)]
+    ref = _logits(reference.llm, seqs)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer", cuda_graph_max_bs=0)
+    got = _logits(llm, seqs)
+    llm.close()
     assert not torch.isnan(got).any()
     rel = float((got - ref).norm() / ref.norm())
     assert rel < 2e-2, f"relative logits error {rel:.2e}"
-    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert top1 >= 0.99, f"prefill top-1 agreement {top1:.3f}"
+    top2 = ref.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > TIE * ref.std(dim=-1)
+    same = got.argmax(-1) == ref.argmax(-1)
+    assert decisive.float().mean() > 0.8, "too few decisive positions to judge"
+    top1 = same[decisive].float().mean().item()
+    assert top1 >= 0.99, f"top-1 agreement at decisive positions {top1:.4f} (all positions: {same.float().mean():.4f})"
 
 
 def test_dummy_weights_from_a_config_file(tmp_path: Path) -> None:
@@ -148,3 +191,34 @@ def test_dummy_weights_from_a_config_file(tmp_path: Path) -> None:
     assert all(0 <= t < cfg["vocab_size"] for o in outs for t in o.token_ids)
     llm.check_accounting()
     llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_norm_and_rope_match_the_torch_layers(dtype: torch.dtype) -> None:
+    """The fused kernels against the layers' own PyTorch arithmetic, on strided inputs."""
+    from minisgl.kernel.norm_rope import rmsnorm, rope
+    from minisgl.layers import RMSNorm, RotaryEmbedding
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    norm = RMSNorm(1024, 1e-6, dtype=dtype, device=dev)
+    norm.weight.normal_()
+    x, res = torch.randn(37, 1024, dtype=dtype, device=dev), torch.randn(37, 1024, dtype=dtype, device=dev)
+    ref_out, ref_res = norm._norm(x + res), x + res
+    out, new_res = rmsnorm(x, norm.weight, 1e-6, res)
+    assert torch.equal(new_res, ref_res)
+    assert float((out.float() - ref_out.float()).norm() / ref_out.float().norm()) < 1e-2
+    heads = torch.randn(37, 16, 128, dtype=dtype, device=dev)
+    head_norm = RMSNorm(128, 1e-6, dtype=dtype, device=dev)
+    ref = head_norm._norm(heads)
+    assert float((rmsnorm(heads, head_norm.weight, 1e-6).float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    rot = RotaryEmbedding(128, 4096, {"rope_theta": 1e6, "rope_type": "default"}, device=dev)
+    qkv = torch.randn(37, (16 + 8 + 8) * 128, dtype=dtype, device=dev)
+    q, k = qkv[:, : 16 * 128].view(37, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(37, 8, 128)
+    pos = torch.randint(0, 4096, (37,), device=dev)
+    cos, sin = rot.cos_sin[pos].unsqueeze(1).chunk(2, dim=-1)
+    for t in (q, k):
+        t1, t2 = t.float().chunk(2, dim=-1)
+        expect = torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(dtype)
+        got = rope(t, rot.cos_sin, pos)
+        assert float((got.float() - expect.float()).norm() / expect.float().norm()) < 1e-2

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
-from ..core import Req, TokenLogprob
+from .. import kernel
+from ..core import Req, SamplingParams, TokenLogprob
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -37,8 +39,17 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # One-pass Triton sampling on CUDA for plain temperature/greedy rows; seeds for it come from the host.
+        self._fused = kernel.gumbel_sampler() if kernel.enabled(device) else None
+        self._seeds = random.Random(seed)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
+        if self._fused is not None and all(_plain(r.params) for r in reqs):
+            inv = [0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs]
+            tokens = self._fused(logits, to_device(inv, torch.float32, logits.device), self._seeds.randrange(1 << 31))
+            for r in reqs:
+                r.step_seed += 1
+            return SampleResult(tokens, [None] * len(reqs))
         logits = logits.float()
         raw = logits
         if any(r.params.has_penalty for r in reqs):
@@ -134,3 +145,17 @@ class Sampler:
             top = list(zip(ti[i][:w], tv[i][:w], strict=False)) if (ti is not None and tv is not None and w > 0) else []
             out.append(TokenLogprob(token_id=-1, logprob=0.0, top=top))
         return out
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Temperature (or greedy) sampling only: no filters, penalties, seed or logprobs."""
+    if p.greedy:
+        return not p.has_penalty and p.logprobs is None
+    return (
+        p.top_k in (-1, 0)
+        and p.top_p >= 1.0
+        and p.min_p <= 0.0
+        and p.seed is None
+        and not p.has_penalty
+        and p.logprobs is None
+    )

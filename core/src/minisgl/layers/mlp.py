@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernel
 from ..distributed import Communicator, TPInfo
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -39,7 +40,10 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, comm=comm, dtype=dtype, device=device)
         self.act = activation(act)
+        self._fused = kernel.silu_mul_kernel() if act == "silu" and kernel.enabled(device) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:  # one Triton kernel on CUDA (see minisgl.kernel)
+            return self.down_proj(self._fused(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

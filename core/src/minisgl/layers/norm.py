@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernel
 from .linear import default_loader, set_loader
 
 
@@ -14,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         set_loader(self.weight, default_loader)
+        # On CUDA one Triton kernel replaces the chain of elementwise ops (see minisgl.kernel).
+        self._fused = kernel.rmsnorm_kernel() if kernel.enabled(device) else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -22,10 +25,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused(x, self.weight, self.eps)
         return self._norm(x)
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts it."""
+        if self._fused is not None:
+            if residual is None:
+                return self._fused(x, self.weight, self.eps), x
+            return self._fused(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

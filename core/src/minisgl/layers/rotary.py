@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import kernel
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """Rope settings from a Hugging Face config, across config styles (old and new)."""
@@ -49,9 +51,12 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self._fused = kernel.rope_kernel() if kernel.enabled(device) else None  # one Triton kernel per tensor on CUDA
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q``: ``[tokens, heads, head_dim]``, ``k``: ``[tokens, kv_heads, head_dim]``."""
+        if self._fused is not None:
+            return self._fused(q, self.cos_sin, positions), self._fused(k, self.cos_sin, positions)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -1,0 +1,51 @@
+"""The core's own Triton kernels, used on CUDA where profiling showed PyTorch glue costing time.
+
+:func:`enabled` says whether layers built for ``device`` use them: CUDA, Triton
+importable, and ``MINISGL_DISABLE_TRITON`` unset (for ablations). It is read
+when a layer is built, never per call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def enabled(device: torch.device | str | None) -> bool:
+    if device is None or torch.device(device).type != "cuda":
+        return False
+    if os.environ.get("MINISGL_DISABLE_TRITON", "") not in ("", "0", "false", "False"):
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def rmsnorm_kernel() -> Callable[..., Any]:
+    """The fused RMSNorm (imports Triton)."""
+    from .norm_rope import rmsnorm
+
+    return rmsnorm
+
+
+def rope_kernel() -> Callable[..., Any]:
+    """The fused rotary embedding (imports Triton)."""
+    from .norm_rope import rope
+
+    return rope
+
+
+def gumbel_sampler() -> Callable[..., Any]:
+    """One-pass temperature sampling (imports Triton)."""
+    from .sampling import gumbel_sample
+
+    return gumbel_sample
+
+
+def silu_mul_kernel() -> Callable[..., Any]:
+    """Fused SiLU-and-multiply of the gated MLP (imports Triton)."""
+    from .norm_rope import silu_and_mul
+
+    return silu_and_mul
