@@ -54,7 +54,9 @@ class Sampler:
         raw = logits
         if any(r.params.has_penalty for r in reqs):
             logits = self._apply_penalties(logits.clone(), reqs)
-        logprobs = self._logprobs(raw, reqs) if any(r.params.logprobs is not None for r in reqs) else [None] * len(reqs)
+        logprobs: list[TokenLogprob | None] = (
+            self._logprobs(raw, reqs) if any(r.params.logprobs is not None for r in reqs) else [None] * len(reqs)
+        )
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
