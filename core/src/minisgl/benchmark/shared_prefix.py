@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -109,7 +110,9 @@ def _markdown(record: dict[str, Any]) -> str:
         f"- Command: `{record['command']}`",
         f"- Commit: `{record['commit']}`, date: {record['date']}",
         f"- Machine: {m.get('platform')}, {m.get('cpu_count')} CPUs, {m.get('threads')} torch threads,"
-        f" torch {m.get('torch')}" + (f", {m['gpu']}" if "gpu" in m else ""),
+        f" torch {m.get('torch')}"
+        + (f", {m['gpu']}" if "gpu" in m else "")
+        + (f"; load average at start {m['load_average_at_start'][0]:.1f}" if "load_average_at_start" in m else ""),
         f"- Model: `{Path(record['model']).name}`; {w['requests']} requests = one {w['prefix_len']}-token system"
         f" prompt + a different {w['question_len']}-token question each; {w['max_tokens']} output tokens each,"
         " greedy",
@@ -152,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_workload(args.prefix_len, args.requests, args.question_len)
     record: dict[str, Any] = {
         "benchmark": "shared-prefix",
-        "command": "minisgl bench shared-prefix " + " ".join(argv),
+        "command": " ".join(["minisgl bench shared-prefix", *argv]),
         "commit": _git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": _machine(args.device),
+        "machine": {**_machine(args.device), "load_average_at_start": list(os.getloadavg())},
         "model": args.model,
         "workload": {
             "requests": args.requests,
