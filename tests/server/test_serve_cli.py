@@ -38,7 +38,8 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
                  "--chunked-prefill-size", "--max-model-len", "--host", "--port", "--api-key",
                  "--served-model-name", "--tp", "--num-pages", "--mem-fraction", "--cpu-kv-cache-gb",
                  "--load-format", "--model-config", "--seed", "--cuda-graph-max-bs", "--overlap-schedule",
-                 "--kv-pool", "--moe-backend", "--shell", "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
+                 "--kv-pool", "--moe-backend", "--shell", "--nnodes", "--node-rank", "--dist-init-addr",
+                 "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
         assert flag in out.stdout, flag
 
 
@@ -89,8 +90,8 @@ def test_preflight_checks_names_against_installed_plugins(tmp_path: Path) -> Non
         preflight(ServeSettings(model=str(tmp_path), cache="lru"))
     with pytest.raises(PreflightError, match=r"--model: '.*missing' does not exist"):
         preflight(ServeSettings(model=str(tmp_path / "missing")))
-    with pytest.raises(PreflightError, match=r"--tp 2: tensor parallelism is not available yet"):
-        preflight(ServeSettings(model=str(tmp_path), tp=2))
+    with pytest.raises(PreflightError, match=r"--nnodes \(env MINISGL_NNODES\): must divide tp \(3\), got 2"):
+        preflight(ServeSettings(model=str(tmp_path), tp=3, nnodes=2))
     with pytest.raises(PreflightError, match=r"--device \(env MINISGL_DEVICE\): must be 'cpu' or 'cuda'"):
         preflight(ServeSettings(model=str(tmp_path), device="tpu"))
 

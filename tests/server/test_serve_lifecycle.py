@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serverutil import Server, alive, child_pids
+from serverutil import Server, alive, child_pids, descendants
 
 
 def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
@@ -135,6 +135,34 @@ def test_out_of_memory_at_start_up_is_reported(tiny_model: Path, tmp_path: Path)
     try:
         assert server.wait_exit(180) != 0
         assert "scheduler-0 process failed to start: out of memory" in server.log
+        assert list(server.tmpdir.iterdir()) == []
+    finally:
+        server.stop()
+
+
+def test_tensor_parallel_server(tiny_model: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from minisgl.testing.models import hf_greedy
+
+    server = start(tiny_model, tmp_path, "--tp", "2")
+    try:
+        workers = server.worker_pids()
+        procs = descendants(server.proc.pid)
+        assert child_pids(workers["scheduler-0"]), "rank 1 runs as a child of the scheduler process"
+        assert "[rank 1] " in server.log  # the second rank logs with its rank
+        prompt = [9, 99, 999, 9999, 5]
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        hf = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+        from transformers import AutoTokenizer
+
+        expected = AutoTokenizer.from_pretrained(tiny_model).decode(hf_greedy(hf, [prompt], 10)[0])
+        assert out["choices"][0]["text"] == expected
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(60) == 0, server.log
+        assert wait_gone(procs) == []  # the second rank too
         assert list(server.tmpdir.iterdir()) == []
     finally:
         server.stop()

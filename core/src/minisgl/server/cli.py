@@ -37,8 +37,6 @@ def preflight(settings: ServeSettings) -> list[str]:
         EngineConfig(**{**fields, "device": "cpu" if device == "auto" else device})
     except ValidationError as exc:
         raise PreflightError(f"{_flag_for_engine_field(exc.field)}: {exc.message}") from None
-    if settings.tp > 1:
-        raise PreflightError(f"--tp {settings.tp}: tensor parallelism is not available yet; use --tp 1")
     if (
         not (settings.load_format == "dummy" and settings.hf_config_path)
         and not Path(settings.model).expanduser().exists()
@@ -71,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, PreflightError) as exc:
         print(f"minisgl serve: error: {exc}", file=sys.stderr)
         return 2
+    if settings.node_rank > 0:
+        # Another node of a multi-node tensor-parallel group: it runs engine ranks only.
+        from ..scheduler.tp import run_follower_node
+        from .engine_build import engine_config
+
+        return run_follower_node(engine_config({**settings.engine_fields(), "plugins": plugins}))
     if settings.shell:
         from .chat import run_chat
 

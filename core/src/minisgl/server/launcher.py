@@ -2,8 +2,8 @@
 
 ::
 
-    this process: API server (FastAPI + uvicorn)  <-ZMQ->  tokenizer/detokenizer  <-ZMQ->  scheduler rank 0
-                                                                                     (ranks 1..tp-1 follow rank 0)
+    this process: API server (FastAPI + uvicorn)  <-ZMQ->  tokenizer/detokenizer  <-ZMQ->  scheduler (rank 0)
+                                                                                      `- ranks 1..tp-1 (its children)
 
 Workers are spawned (never forked: CUDA and threads do not survive a fork),
 each given a msgpack-encoded argument dict with the plugin names this process
@@ -76,9 +76,8 @@ class Launcher:
 
         ctx = mp.get_context("spawn")
         engine = {**self.settings.engine_fields(), "plugins": self.plugins}
-        for rank in range(self.settings.tp):
-            args = {"addresses": self.addresses, "engine": engine, "rank": rank}
-            self._spawn(ctx, f"scheduler-{rank}", scheduler_main, args)
+        # Rank 0 starts the other tensor-parallel ranks itself and owns them (they follow its every step).
+        self._spawn(ctx, "scheduler-0", scheduler_main, {"addresses": self.addresses, "engine": engine, "rank": 0})
         self._spawn(ctx, "tokenizer", tokenizer_main, {"addresses": self.addresses, "model": self.settings.model})
         logger.info("workers: %s", ", ".join(f"{w.name} pid={w.process.pid}" for w in self.workers))
         pending = {w.name for w in self.workers}

@@ -57,11 +57,15 @@ class ParentWatch:
         self.interval = interval
         self._next = time.monotonic() + interval
 
-    def parent_gone(self) -> bool:
+    def due(self) -> bool:
+        """True once per ``interval``: time for the (cheap but not free) liveness checks."""
         now = time.monotonic()
         if now < self._next:
             return False
         self._next = now + self.interval
+        return True
+
+    def parent_gone(self) -> bool:
         return os.getppid() != self.parent
 
 

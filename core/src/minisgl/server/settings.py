@@ -61,7 +61,10 @@ class ServeSettings(BaseSettings):
     seed: int = Field(0, description="seed of the sampler for requests without their own seed")
     cuda_graph_max_bs: int = Field(256, ge=0, description="largest decode batch captured in a CUDA graph; 0 = none")
     overlap_schedule: bool = Field(True, description="overlap scheduling with the GPU step")
-    tp: int = Field(1, ge=1, description="tensor-parallel size (number of GPUs)")
+    tp: int = Field(1, ge=1, description="tensor-parallel size (number of GPUs; processes on CPU)")
+    nnodes: int = Field(1, ge=1, description="nodes the tensor-parallel ranks span")
+    node_rank: int = Field(0, ge=0, description="this node's index; nodes other than 0 run ranks only, no API")
+    dist_init_addr: str | None = Field(None, description="HOST:PORT of rank 0's rendezvous (several nodes)")
     # server
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(30000, ge=0, le=65535, description="port to listen on")

@@ -141,7 +141,7 @@ def tokenizer_main(launch: bytes) -> None:
         poller.register(from_sched, zmq.POLLIN)
         status.ready(has_tokenizer=service.tokenizer is not None)
         watch = ParentWatch()
-        while not watch.parent_gone():
+        while not (watch.due() and watch.parent_gone()):
             ready = dict(poller.poll(200))
             if from_api in ready and not _drain_api(from_api, service, to_sched, to_api):
                 break
