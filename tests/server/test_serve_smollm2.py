@@ -44,7 +44,7 @@ def test_answers_paris(client: Any) -> None:
 
 
 def test_streamed_answer_equals_the_non_streamed_one(client: Any) -> None:
-    kwargs: dict[str, Any] = {"model": "smollm2", "messages": FRANCE, "temperature": 0.7, "seed": 11, "max_tokens": 24}
+    kwargs: dict[str, Any] = {"model": "smollm2", "messages": FRANCE, "temperature": 0.7, "seed": 11, "max_tokens": 12}
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     stream = client.chat.completions.create(**kwargs, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full
@@ -72,3 +72,18 @@ def test_api_key_is_required_on_v1_routes(server: Server) -> None:
     # Health and metrics stay open for probes and scrapers.
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_cached_tokens_reported_with_a_prefix_cache(client: Any) -> None:
+    from minisgl.plugins import load_plugins
+
+    if "radix" not in load_plugins().names("prefix_cache"):
+        pytest.skip("no reusing prefix cache installed (pip install minisgl-plugin-radix)")
+    messages = [{"role": "user", "content": "List the planets of the solar system, closest to the sun first."}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4)
+    again = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4)
+    # The whole prompt but its last token can come from the cache, in whole pages.
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
