@@ -57,11 +57,6 @@ class StatsReq:
 
 
 @dataclass
-class Shutdown:
-    """Ask a worker to exit its loop."""
-
-
-@dataclass
 class Accepted:
     """The scheduler queued request ``rid``; its prompt has ``prompt_tokens`` tokens."""
 
@@ -163,7 +158,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TokenizedReq,
     AbortReq,
     StatsReq,
-    Shutdown,
     Accepted,
     RequestFailed,
     TokenEventMsg,

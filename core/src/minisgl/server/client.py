@@ -23,7 +23,6 @@ from ..message import (
     GenerateReq,
     OutputBatch,
     RequestFailed,
-    Shutdown,
     Stats,
     StatsReq,
     TokenOutput,
@@ -110,9 +109,6 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats.pop(token, None)
-
-    async def shutdown_workers(self) -> None:
-        await self._push.send(encode(Shutdown()))
 
     def fail_all(self, reason: str) -> None:
         """Wake every waiting request with :class:`ServerGone`."""

@@ -19,7 +19,6 @@ from ..message import (
     AbortReq,
     Accepted,
     RequestFailed,
-    Shutdown,
     Stats,
     StatsReq,
     StepOutput,
@@ -120,8 +119,6 @@ def _serve(
                     sched.abort(msg.rid)
                 elif isinstance(msg, StatsReq):
                     outbox.send(encode(_stats(sched, msg.token)))
-                elif isinstance(msg, Shutdown):
-                    return
         if sched.has_work:
             events = sched.step()
             if events:

@@ -20,7 +20,6 @@ from ..message import (
     GenerateReq,
     OutputBatch,
     RequestFailed,
-    Shutdown,
     Stats,
     StatsReq,
     StepOutput,
@@ -143,8 +142,8 @@ def tokenizer_main(launch: bytes) -> None:
         watch = ParentWatch()
         while not (watch.due() and watch.parent_gone()):
             ready = dict(poller.poll(200))
-            if from_api in ready and not _drain_api(from_api, service, to_sched, to_api):
-                break
+            if from_api in ready:
+                _drain_api(from_api, service, to_sched, to_api)
             if from_sched in ready:
                 _drain_scheduler(from_sched, service, to_api)
 
@@ -158,7 +157,7 @@ def _recv_all(sock: zmq.Socket) -> list[Any]:
             return out
 
 
-def _drain_api(sock: zmq.Socket, service: TokenizerService, to_sched: zmq.Socket, to_api: zmq.Socket) -> bool:
+def _drain_api(sock: zmq.Socket, service: TokenizerService, to_sched: zmq.Socket, to_api: zmq.Socket) -> None:
     for msg in _recv_all(sock):
         if isinstance(msg, GenerateReq):
             result = service.tokenize(msg)
@@ -168,10 +167,6 @@ def _drain_api(sock: zmq.Socket, service: TokenizerService, to_sched: zmq.Socket
             to_sched.send(encode(msg))
         elif isinstance(msg, StatsReq):
             to_sched.send(encode(msg))
-        elif isinstance(msg, Shutdown):
-            to_sched.send(encode(msg))
-            return False
-    return True
 
 
 def _drain_scheduler(sock: zmq.Socket, service: TokenizerService, to_api: zmq.Socket) -> None:
