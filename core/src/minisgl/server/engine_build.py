@@ -1,4 +1,4 @@
-"""Building an engine from the plain settings a worker receives."""
+"""The engine configuration a worker builds from the plain settings it receives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from ..engine import Engine
 
 
 def engine_config(fields: dict[str, Any]) -> EngineConfig:
@@ -22,8 +21,3 @@ def engine_config(fields: dict[str, Any]) -> EngineConfig:
         values["plugins"] = tuple(values["plugins"])
     return EngineConfig(**values)
 
-
-def build_engine(fields: dict[str, Any]) -> Engine:
-    from ..engine import Engine
-
-    return Engine(engine_config(fields))

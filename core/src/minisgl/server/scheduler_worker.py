@@ -65,9 +65,10 @@ def scheduler_main(launch: bytes) -> None:
 
 def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
     """Rank 0's scheduler, as :class:`minisgl.LLM` builds it, and the other ranks' processes (tp > 1)."""
+    from ..engine import Engine
     from ..models import eos_token_ids, load_tokenizer
     from ..scheduler import Scheduler
-    from .engine_build import build_engine, engine_config
+    from .engine_build import engine_config
 
     config = engine_config(fields)
     if config.tp > 1:
@@ -76,7 +77,7 @@ def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
 
         sched, ranks, _ = start_tensor_parallel(config, load_plugins(config.plugins))
         return sched, ranks
-    engine = build_engine(fields)
+    engine = Engine(config)
     tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
     eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
     detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
