@@ -68,7 +68,11 @@ def run_chat(
     print(f"minisgl chat: {settings.model_name}. {HELP_TEXT}", file=out, flush=True)
     while True:
         print(">>> ", end="", file=out, flush=True)
-        line = inp.readline()
+        try:
+            line = inp.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt drops the line, as shells do
+            print(file=out)
+            continue
         if not line:
             print(file=out)
             break
