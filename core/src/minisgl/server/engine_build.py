@@ -20,4 +20,3 @@ def engine_config(fields: dict[str, Any]) -> EngineConfig:
     if values.get("plugins") is not None:
         values["plugins"] = tuple(values["plugins"])
     return EngineConfig(**values)
-
