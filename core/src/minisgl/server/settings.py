@@ -90,7 +90,14 @@ class ServeSettings(BaseSettings):
             return self.served_model_name
         from pathlib import PurePath
 
+        from ..utils.model_path import DIST_PREFIX, ModelPathError, resolve_model_path
+
         path = PurePath(self.model.rstrip("/"))
+        if self.model.startswith(DIST_PREFIX):
+            try:
+                path = resolve_model_path(self.model)
+            except ModelPathError:
+                return self.model
         return path.stem if path.suffix == ".gguf" else path.name
 
 
