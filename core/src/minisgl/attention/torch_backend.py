@@ -18,11 +18,12 @@ from .base import AttentionContext, BaseAttnBackend
 
 @dataclass
 class TorchAttnMetadata:
-    kv_index: torch.Tensor  # [B, max_kv] token slots (padding points at scratch slot 0)
+    kv_index: torch.Tensor  # [B * max_kv] token slots, row-major (padding points at scratch slot 0)
     mask: torch.Tensor  # [B, 1, max_q, max_kv] True where attention is allowed
-    q_batch: torch.Tensor  # [T] which request each new token belongs to
-    q_offset: torch.Tensor  # [T] its index among that request's new tokens
+    q_dest: torch.Tensor  # [T] row of each new token in the padded [B * max_q] query layout
+    batch_size: int
     max_q: int
+    max_kv: int
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -45,7 +46,11 @@ class TorchAttnBackend(BaseAttnBackend):
         kv_index = torch.where(key_pos[:, 0] < kv_len_t[:, 0], kv_index, torch.zeros_like(kv_index))
         q_batch = torch.repeat_interleave(torch.arange(bsz, device=dev), torch.tensor(q_lens, device=dev))
         q_offset = torch.cat([torch.arange(n, device=dev) for n in q_lens])
-        batch.attn_metadata = TorchAttnMetadata(kv_index, mask.unsqueeze(1), q_batch, q_offset, max_q)
+        # Flat indices: index_select/index_copy on one dimension are far faster than
+        # advanced indexing with two index tensors (which the CPU runs element by element).
+        batch.attn_metadata = TorchAttnMetadata(
+            kv_index.reshape(-1), mask.unsqueeze(1), q_batch * max_q + q_offset, bsz, max_q, max_kv
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         ctx, meta = self.ctx, batch.attn_metadata
@@ -53,11 +58,16 @@ class TorchAttnBackend(BaseAttnBackend):
         hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
         pool = ctx.kv_pool
         pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
-        bsz = meta.kv_index.shape[0]
-        qp = q.new_zeros(bsz, meta.max_q, hq, d)
-        qp[meta.q_batch, meta.q_offset] = q.view(-1, hq, d)
-        kc = pool.k_cache(layer_id).reshape(-1, hkv, d)[meta.kv_index].to(q.dtype)
-        vc = pool.v_cache(layer_id).reshape(-1, hkv, d)[meta.kv_index].to(q.dtype)
+        bsz, max_q, max_kv = meta.batch_size, meta.max_q, meta.max_kv
+        decode = max_q == 1  # one new token per request: the flat order is already the padded order
+        if decode:
+            qp = q.view(bsz, 1, hq, d)
+        else:
+            qp = q.new_zeros(bsz * max_q, hq, d).index_copy_(0, meta.q_dest, q.view(-1, hq, d))
+            qp = qp.view(bsz, max_q, hq, d)
+        shape = (bsz, max_kv, hkv, d)
+        kc = pool.k_cache(layer_id).reshape(-1, hkv, d).index_select(0, meta.kv_index).view(shape).to(q.dtype)
+        vc = pool.v_cache(layer_id).reshape(-1, hkv, d).index_select(0, meta.kv_index).view(shape).to(q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2),
             kc.transpose(1, 2),
@@ -66,4 +76,5 @@ class TorchAttnBackend(BaseAttnBackend):
             scale=ctx.scale,
             enable_gqa=hq != hkv,
         )
-        return out.transpose(1, 2)[meta.q_batch, meta.q_offset].reshape(-1, hq * d)
+        out = out.transpose(1, 2).reshape(bsz * max_q, hq * d)
+        return out if decode else out.index_select(0, meta.q_dest)
