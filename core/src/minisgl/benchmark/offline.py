@@ -132,6 +132,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "overlap_schedule": not args.no_overlap,
         "mem_fraction": args.mem_fraction,
+        "tp": args.tp,
     }
     if args.load_format == "dummy":
         kw["load_format"] = "dummy"
@@ -295,6 +296,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 disables CUDA graphs")
     p.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
     p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (cpu workload)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--no-baseline", action="store_true", help="cpu workload: skip the transformers runs")

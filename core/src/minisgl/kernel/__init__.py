@@ -49,3 +49,10 @@ def silu_mul_kernel() -> Callable[..., Any]:
     from .norm_rope import silu_and_mul
 
     return silu_and_mul
+
+
+def store_kv_kernel() -> Callable[..., Any]:
+    """K and V rows into the paged pool in one launch (imports Triton)."""
+    from .store import store_kv
+
+    return store_kv

@@ -19,6 +19,9 @@ class MHAKVPool(BaseKVPool):
         self._buffer = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
         flat = (2, layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
         self._flat = self._buffer.view(flat)
+        from .. import kernel  # lazy: keeps Triton out of CPU imports
+
+        self._store = kernel.store_kv_kernel() if kernel.enabled(layout.device) else None
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._buffer[0, layer]
@@ -27,5 +30,9 @@ class MHAKVPool(BaseKVPool):
         return self._buffer[1, layer]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
-        self._flat[0, layer].index_copy_(0, out_loc, k.to(self.layout.dtype))
-        self._flat[1, layer].index_copy_(0, out_loc, v.to(self.layout.dtype))
+        dtype = self.layout.dtype
+        if self._store is not None and k.dtype == dtype and v.dtype == dtype:
+            self._store(k, v, out_loc, self._flat[0, layer], self._flat[1, layer])
+            return
+        self._flat[0, layer].index_copy_(0, out_loc, k.to(dtype))
+        self._flat[1, layer].index_copy_(0, out_loc, v.to(dtype))

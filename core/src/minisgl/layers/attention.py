@@ -37,7 +37,9 @@ class AttentionBlock(nn.Module):
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         self.layer_id = layer_id
         self.head_dim = head_dim
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, dtype=dtype, device=device)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, dtype=dtype, device=device
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, dtype=dtype, device=device)
         eps = config.rms_norm_eps
@@ -54,5 +56,6 @@ class AttentionBlock(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = ctx.attn.forward(q.reshape(-1, q_size), k.reshape(-1, kv_size), v.contiguous(), self.layer_id, ctx.batch)
+        # v stays a strided slice of qkv: backends store it through the pool, which reads rows in place.
+        out = ctx.attn.forward(q.reshape(-1, q_size), k.reshape(-1, kv_size), v, self.layer_id, ctx.batch)
         return self.o_proj(out)
