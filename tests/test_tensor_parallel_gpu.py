@@ -41,7 +41,7 @@ def test_tp2_agrees_with_tp1_bf16(tmp_path: Path, graphs: int) -> None:
         intermediate_size=512,
         num_attention_heads=8,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=64,
         num_hidden_layers=4,
     )
     prompts = random_prompts([9, 40, 130, 300, 17, 64, 5, 200], 512, seed=21)
