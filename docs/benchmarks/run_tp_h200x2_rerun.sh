@@ -15,5 +15,3 @@ for dist, (entry, module, req) in dists.items():
     (d / "entry_points.txt").write_text(f"[minisgl]\n{entry} = {module}\n")
 PY
 timeout 200 python3 -m pytest -p no:cacheprovider -q -s -rA tests/test_tensor_parallel_gpu.py 2>&1 | tee $OUT/tp-gpu-test.txt | grep -E "RESULT|passed|failed|Error"
-timeout 120 python3 -m minisgl bench offline --output $OUT --label offline-gpu-storekv-rep2 2>&1 | grep -E "minisgl  |vs Mini"
-timeout 120 python3 -m minisgl bench offline --output $OUT --page-size 64 --label offline-gpu-page64 2>&1 | grep -E "minisgl  |vs Mini"
