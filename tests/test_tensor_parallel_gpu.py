@@ -20,13 +20,14 @@ pytestmark = [
 ]
 
 
-def _teacher_forced(path: Path, reference: list[list[int]], prompts: list[list[int]], **kwargs) -> list[int]:  # type: ignore[no-untyped-def]
-    """The greedy next token after every prefix ``prompt + reference[:k]`` (one prefill each)."""
+def _teacher_forced(path: Path, reference: list[list[int]], prompts: list[list[int]], **kwargs) -> list:  # type: ignore[no-untyped-def]
+    """Greedy next token and top-2 log-prob gap after every prefix ``prompt + reference[:k]``."""
     inputs = [p + ref[:k] for p, ref in zip(prompts, reference) for k in range(len(ref))]
     with LLM(str(path), device="cuda", dtype="bfloat16", **kwargs) as llm:
-        outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2)
+        outs = llm.generate(inputs, params, use_tqdm=False)
         llm.check_accounting()
-    return [o.token_ids[0] for o in outs]
+    return [(o.token_ids[0], o.logprobs[0].top[0][1] - o.logprobs[0].top[1][1]) for o in outs]
 
 
 @pytest.mark.parametrize("graphs", [0, 64], ids=["eager", "cuda-graphs"])
@@ -52,6 +53,14 @@ def test_tp2_agrees_with_tp1_bf16(tmp_path: Path, graphs: int) -> None:
     # Both sizes score the same positions through the same (prefill) kernels: only TP differs.
     one = _teacher_forced(tmp_path, ref, prompts, cuda_graph_max_bs=graphs)
     two = _teacher_forced(tmp_path, ref, prompts, cuda_graph_max_bs=graphs, tp=2)
-    forced = sum(a == b for a, b in zip(one, two)) / len(one)
-    print(f"RESULT graphs={graphs} free-running={free_running:.4f} teacher-forced={forced:.4f}")
-    assert forced >= 0.99
+    forced = sum(a[0] == b[0] for a, b in zip(one, two)) / len(one)
+    # bf16 partial sums are added in a different order under TP: positions whose two best
+    # tokens are within 0.05 nats (log-prob) under tp=1 may legitimately flip.
+    clear = [(a, b) for a, b in zip(one, two) if a[1] > 0.05]
+    forced_clear = sum(a[0] == b[0] for a, b in clear) / len(clear)
+    print(
+        f"RESULT graphs={graphs} free-running={free_running:.4f} teacher-forced={forced:.4f} "
+        f"teacher-forced-clear-margin={forced_clear:.4f} ({len(clear)}/{len(one)} positions)"
+    )
+    assert forced >= 0.95
+    assert forced_clear >= 0.99
