@@ -206,6 +206,9 @@ class Engine:
         if not self.attn.supports_cuda_graph:
             logger.info("CUDA graphs off: the decode attention backend does not support them")
             return None
+        if self.moe_backend is not None and not self.moe_backend.supports_cuda_graph:
+            logger.info("CUDA graphs off: the MoE backend %s cannot be captured", type(self.moe_backend).__name__)
+            return None
         return CudaGraphRunner(
             self.model, self.attn, max_bs=max_bs, max_seq_len=self.kv.max_seq_len, device=self.device
         )
