@@ -35,7 +35,9 @@ def _param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) 
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, device: torch.device | None):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, device: torch.device | None
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
@@ -116,7 +118,9 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp.rank * self.local_kv_heads
         else:
             if tp.size % num_kv_heads:
-                raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of the KV head count {num_kv_heads}")
+                raise ValueError(
+                    f"tensor-parallel size {tp.size} is not a multiple of the KV head count {num_kv_heads}"
+                )
             self.local_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         q, kv = self.local_heads * head_dim, self.local_kv_heads * head_dim

@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
             return self._fused(x, self.weight, self.eps)
         return self._norm(x)
 
-    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts it."""
         if self._fused is not None:
             if residual is None:
