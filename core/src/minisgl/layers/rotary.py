@@ -50,6 +50,7 @@ class RotaryEmbedding(nn.Module):
         inv = inverse_frequencies(head_dim, params).to(device)
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)
+        self.cos_sin: torch.Tensor
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         self._fused = kernel.rope_kernel() if kernel.enabled(device) else None  # one Triton kernel per tensor on CUDA
 
