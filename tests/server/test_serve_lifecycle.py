@@ -166,3 +166,63 @@ def test_tensor_parallel_server(tiny_model: Path, tmp_path: Path) -> None:
         assert list(server.tmpdir.iterdir()) == []
     finally:
         server.stop()
+
+
+def _tiny_expected(tiny_model: Path, prompt: list[int], n: int) -> str:
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from minisgl.testing.models import hf_greedy
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(tiny_model).decode(hf_greedy(hf, [prompt], n)[0])
+
+
+def test_two_node_server_on_loopback(tiny_model: Path, tmp_path: Path) -> None:
+    """--nnodes 2, one rank each: node 1 runs `serve --node-rank 1` (ranks only), node 0 the API."""
+    import subprocess
+    import sys
+
+    from serverutil import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    multi = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    node1_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115 - closed below
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minisgl", "serve", "--model", str(tiny_model), "--num-pages", "64",
+         "--max-model-len", "256", *multi, "--node-rank", "1"],
+        stdout=node1_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    server = None
+    try:
+        server = start(tiny_model, tmp_path, *multi, "--node-rank", "0")
+        prompt = [9, 99, 999, 9999, 5]
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        assert out["choices"][0]["text"] == _tiny_expected(tiny_model, prompt, 10)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(60) == 0, server.log
+        assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()  # rank 0 told it to stop
+    finally:
+        if server is not None:
+            server.stop()
+        node1.kill()
+        node1_log.close()
+
+
+def test_killed_rank_makes_the_server_exit(tiny_model: Path, tmp_path: Path) -> None:
+    server = start(tiny_model, tmp_path, "--tp", "2")
+    try:
+        workers = server.worker_pids()
+        procs = descendants(server.proc.pid)
+        (rank1,) = child_pids(workers["scheduler-0"])
+        os.kill(rank1, signal.SIGKILL)
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 503
+        assert server.wait_exit(60) != 0
+        assert "tensor-parallel minisgl-tp-rank1 exited" in server.log
+        assert wait_gone(procs) == []
+        assert list(server.tmpdir.iterdir()) == []
+    finally:
+        server.stop()

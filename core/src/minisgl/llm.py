@@ -80,12 +80,8 @@ class LLM:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
         if self._ranks is not None:
-            try:
-                assert isinstance(self.scheduler, ReplicatedScheduler)
-                self.scheduler.stop()
-                self._ranks.join()
-            finally:
-                self._ranks.kill()
+            assert isinstance(self.scheduler, ReplicatedScheduler)
+            self._ranks.shutdown(self.scheduler)
         del self.scheduler, self.engine
         import gc
 
@@ -124,7 +120,12 @@ class LLM:
             while any(not r.is_finished for r in reqs):
                 if self._ranks is not None:
                     self._ranks.check_alive()
-                events = sched.step()
+                try:
+                    events = sched.step()
+                except RuntimeError:
+                    if self._ranks is not None:
+                        self._ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
+                    raise
                 if bar is not None:
                     bar.update(sum(1 for e in events if e.finished))
             if bar is not None:

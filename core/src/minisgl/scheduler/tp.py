@@ -131,10 +131,22 @@ class RankProcesses:
             p.start()
             self.procs.append(p)
 
-    def check_alive(self) -> None:
-        for p in self.procs:
-            if not p.is_alive():
-                raise TensorParallelError(f"tensor-parallel {p.name} exited with code {p.exitcode}")
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raise naming the first rank that has exited; wait up to ``grace`` seconds for one to.
+
+        After a collective failed on a closed connection, a short grace lets the dead rank's exit be
+        seen, so the error names the rank instead of the transport.
+        """
+        import time
+
+        deadline = time.monotonic() + grace
+        while True:
+            for p in self.procs:
+                if not p.is_alive():
+                    raise TensorParallelError(f"tensor-parallel {p.name} exited with code {p.exitcode}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def join(self, timeout: float = 30.0) -> None:
         for p in self.procs:
@@ -143,6 +155,23 @@ class RankProcesses:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+    def shutdown(self, scheduler: ReplicatedScheduler, timeout: float = 30.0) -> None:
+        """Stop the ranks: tell them through rank 0 if they are all alive, then make sure they are gone.
+
+        With a rank already dead the stop message cannot be delivered (the collective would fail on
+        the closed connection), so the others are killed instead of masking the original error.
+        """
+        try:
+            if all(p.is_alive() for p in self.procs):
+                try:
+                    scheduler.stop()
+                except RuntimeError as exc:
+                    logger.warning("could not tell the other ranks to stop (%s); killing them", exc)
+                else:
+                    self.join(timeout)
+        finally:
+            self.kill()
 
     def kill(self) -> None:
         for p in self.procs:

@@ -85,11 +85,7 @@ def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _stop_ranks(sched: Any, ranks: Any) -> None:
-    try:
-        sched.stop()
-        ranks.join(10.0)
-    finally:
-        ranks.kill()
+    ranks.shutdown(sched, timeout=10.0)
 
 
 def _serve(
@@ -121,7 +117,12 @@ def _serve(
                 elif isinstance(msg, StatsReq):
                     outbox.send(encode(_stats(sched, msg.token)))
         if sched.has_work:
-            events = sched.step()
+            try:
+                events = sched.step()
+            except RuntimeError:
+                if ranks is not None:
+                    ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
+                raise
             if events:
                 outbox.send(encode(StepOutput([_event(e) for e in events])))
 
