@@ -6,45 +6,19 @@ architecture plugin installed: just core and this package.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from torch import nn
 
 from minisgl import LLM
-from minisgl.layers import AttentionBlock, GatedMLP
-from minisgl.models import CausalLM, DecoderLayer
-from minisgl.plugins import ModelSpec, PluginRegistry, PluginSource, hookimpl, load_plugins
+from minisgl.plugins import PluginRegistry
 from minisgl.testing.models import save_tiny_model
-
-
-class TinyTestLM(CausalLM):
-    """A Llama-shaped model built from core blocks only."""
-
-    def make_layer(self, layer_id: int) -> nn.Module:
-        cfg, ctx = self.config, self.ctx
-        kw = {"tp": ctx.tp, "comm": ctx.comm, "dtype": ctx.dtype, "device": ctx.device}
-        attn = AttentionBlock(cfg, layer_id, rotary=self.rotary, **kw)
-        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, **kw)
-        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype, device=ctx.device)
-
-
-def _test_models_plugin() -> types.ModuleType:
-    module = types.ModuleType("radix_test_models")
-
-    @hookimpl
-    def minisgl_models():  # type: ignore[no-untyped-def]
-        return [ModelSpec(name="LlamaForCausalLM", factory=TinyTestLM)]
-
-    module.minisgl_models = minisgl_models  # type: ignore[attr-defined]
-    return module
+from minisgl.testing.registry import registry_with_test_model
 
 
 def _registry(*names: str) -> PluginRegistry:
-    extra = [PluginSource("radix-test-models", _test_models_plugin())]
-    return load_plugins(only=[*names, "radix-test-models"], extra=extra, environ={})
+    return registry_with_test_model(*names, environ={})
 
 
 @pytest.fixture(scope="session")
