@@ -196,4 +196,16 @@ def decode(data: bytes) -> Any:
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
-__all__ = [cls.__name__ for cls in MESSAGE_TYPES] + ["MESSAGE_TYPES", "decode", "encode"]
+def recv_all(sock: Any) -> list[Any]:
+    """Every message already queued on ZMQ socket ``sock``, decoded, without blocking."""
+    import zmq
+
+    out = []
+    while True:
+        try:
+            out.append(decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return out
+
+
+__all__ = [cls.__name__ for cls in MESSAGE_TYPES] + ["MESSAGE_TYPES", "decode", "encode", "recv_all"]

@@ -24,8 +24,8 @@ from ..message import (
     StepOutput,
     TokenEventMsg,
     TokenizedReq,
-    decode,
     encode,
+    recv_all,
 )
 from .process import ParentWatch, unpack_args, worker_process
 
@@ -103,7 +103,7 @@ def _serve(
             if ranks is not None:
                 ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
         if poller.poll(0 if sched.has_work else 200):
-            for msg in _recv_all(inbox):
+            for msg in recv_all(inbox):
                 if isinstance(msg, TokenizedReq):
                     try:
                         params = SamplingParams.from_dict(msg.params)
@@ -125,15 +125,6 @@ def _serve(
                 raise
             if events:
                 outbox.send(encode(StepOutput([_event(e) for e in events])))
-
-
-def _recv_all(sock: zmq.Socket) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(decode(sock.recv(zmq.NOBLOCK)))
-        except zmq.Again:
-            return out
 
 
 def _event(ev: Any) -> TokenEventMsg:

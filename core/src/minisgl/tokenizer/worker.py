@@ -26,8 +26,8 @@ from ..message import (
     TokenEventMsg,
     TokenizedReq,
     TokenOutput,
-    decode,
     encode,
+    recv_all,
 )
 from .detokenize import IncrementalDetokenizer
 
@@ -148,17 +148,8 @@ def tokenizer_main(launch: bytes) -> None:
                 _drain_scheduler(from_sched, service, to_api)
 
 
-def _recv_all(sock: zmq.Socket) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(decode(sock.recv(zmq.NOBLOCK)))
-        except zmq.Again:
-            return out
-
-
 def _drain_api(sock: zmq.Socket, service: TokenizerService, to_sched: zmq.Socket, to_api: zmq.Socket) -> None:
-    for msg in _recv_all(sock):
+    for msg in recv_all(sock):
         if isinstance(msg, GenerateReq):
             result = service.tokenize(msg)
             (to_sched if isinstance(result, TokenizedReq) else to_api).send(encode(result))
@@ -170,7 +161,7 @@ def _drain_api(sock: zmq.Socket, service: TokenizerService, to_sched: zmq.Socket
 
 
 def _drain_scheduler(sock: zmq.Socket, service: TokenizerService, to_api: zmq.Socket) -> None:
-    for msg in _recv_all(sock):
+    for msg in recv_all(sock):
         if isinstance(msg, StepOutput):
             batch = service.detokenize(msg)
             if batch.outputs:
