@@ -155,6 +155,7 @@ class RowParallelLinear(LinearBase):
     ):
         self.tp = tp
         self.comm = comm or SingleCommunicator()
+        self._fp32_mm_ok: bool | None = None  # probed on first use
         super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, dtype, device)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -164,12 +165,35 @@ class RowParallelLinear(LinearBase):
         default_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.tp.size > 1:
-            y = self.comm.all_reduce(y)
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        partial = self._partial_fp32(x) if self._reduce_fp32 else None
+        if partial is not None:
+            # Partial sums stay float32 through the all-reduce and are rounded once, as a
+            # single-rank product is: bf16 results then match tp=1 far more closely.
+            y = self.comm.all_reduce(partial).to(x.dtype)
+        else:
+            y = self.comm.all_reduce(F.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    @property
+    def _reduce_fp32(self) -> bool:
+        return self.weight.dtype in (torch.bfloat16, torch.float16) and self.weight.is_cuda
+
+    def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ weight.T`` accumulated and returned in float32 (``mm`` with ``out_dtype``; CUDA only)."""
+        if self._fp32_mm_ok is False:
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        try:
+            y = torch.mm(x2, self.weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            self._fp32_mm_ok = False  # this torch build lacks it: reduce in the activation dtype
+            return None
+        self._fp32_mm_ok = True
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def default_loader_slice(param: nn.Parameter, part: torch.Tensor, offset: int, size: int) -> None:
