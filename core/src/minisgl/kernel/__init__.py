@@ -30,11 +30,11 @@ def rmsnorm_kernel() -> Callable[..., Any]:
     return rmsnorm
 
 
-def rope_kernel() -> Callable[..., Any]:
-    """The fused rotary embedding (imports Triton)."""
-    from .norm_rope import rope
+def qk_norm_rope_kernel() -> Callable[..., Any]:
+    """Rotary embedding of q and k (with Qwen3's per-head q/k RMSNorm first) in one launch (imports Triton)."""
+    from .norm_rope import qk_norm_rope
 
-    return rope
+    return qk_norm_rope
 
 
 def gumbel_sampler() -> Callable[..., Any]:

@@ -197,3 +197,128 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> tor
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _norm_rope_heads(
+    src,
+    stride_h,
+    nheads,
+    dst,
+    w_ptr,
+    cos,
+    sin,
+    d,
+    dmask,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = (h < nheads) & dmask[None, :]
+    ptr = src + h * stride_h + d[None, :]
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    ty = dst.dtype.element_ty
+    if HAS_NORM:
+        # Per-head RMSNorm rounded where the RMSNorm layer rounds: after the scaling, after the weight.
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+        x2 = ((x2 * inv).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
+    out = dst + h * (2 * HALF) + d[None, :]
+    tl.store(out, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(out + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    qw_ptr,
+    kw_ptr,
+    cs_ptr,
+    pos_ptr,
+    q_out,
+    k_out,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    heads,
+    kv_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    cos = tl.load(cs_ptr + p * (2 * HALF) + d, mask=dmask, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + p * (2 * HALF) + HALF + d, mask=dmask, other=0.0)[None, :]
+    _norm_rope_heads(
+        q_ptr + t * q_stride_t, q_stride_h, heads, q_out + t * heads * (2 * HALF), qw_ptr,
+        cos, sin, d, dmask, eps, HAS_NORM, HALF, BLOCK_H,
+    )  # fmt: skip
+    _norm_rope_heads(
+        k_ptr + t * k_stride_t, k_stride_h, kv_heads, k_out + t * kv_heads * (2 * HALF), kw_ptr,
+        cos, sin, d, dmask, eps, HAS_NORM, HALF, BLOCK_KH,
+    )  # fmt: skip
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of ``q`` ``[tokens, heads, head_dim]`` and ``k`` ``[tokens, kv_heads, head_dim]``
+    in one launch, each head first RMS-normalised with ``q_weight``/``k_weight`` when they are given
+    (Qwen3's q/k norm). Inputs may be strided views (slices of the fused qkv output); outputs are new
+    contiguous tensors.
+    """
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, kv_heads, dim), dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    has_norm = q_weight is not None and k_weight is not None
+    half = dim // 2
+    _qk_norm_rope_kernel[(tokens,)](
+        q,
+        k,
+        q_weight if has_norm else cos_sin,
+        k_weight if has_norm else cos_sin,
+        cos_sin,
+        positions,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        heads,
+        kv_heads,
+        eps,
+        HAS_NORM=has_norm,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_KH=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+    return q_out, k_out

@@ -53,9 +53,8 @@ class AttentionBlock(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        q, k = self.rotary(positions, q, k, qk_norm)
         # v stays a strided slice of qkv: backends store it through the pool, which reads rows in place.
         out = ctx.attn.forward(q.reshape(-1, q_size), k.reshape(-1, kv_size), v, self.layer_id, ctx.batch)
         return self.o_proj(out)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import kernel
+from .norm import RMSNorm
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -52,12 +53,27 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv)
         self.cos_sin: torch.Tensor
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self._fused = kernel.rope_kernel() if kernel.enabled(device) else None  # one Triton kernel per tensor on CUDA
+        # On CUDA one Triton kernel rotates q and k (normalising them first for Qwen3's q/k norm).
+        self._fused = kernel.qk_norm_rope_kernel() if kernel.enabled(device) else None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: ``[tokens, heads, head_dim]``, ``k``: ``[tokens, kv_heads, head_dim]``."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``: ``[tokens, heads, head_dim]``, ``k``: ``[tokens, kv_heads, head_dim]``.
+
+        With ``qk_norm``, each head of q and k is first normalised by those RMSNorm layers.
+        """
         if self._fused is not None:
-            return self._fused(q, self.cos_sin, positions), self._fused(k, self.cos_sin, positions)
+            if qk_norm is None:
+                return self._fused(q, k, self.cos_sin, positions)
+            q_norm, k_norm = qk_norm
+            return self._fused(q, k, self.cos_sin, positions, q_norm.weight, k_norm.weight, q_norm.eps)
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -1,0 +1,146 @@
+"""Where the decode time goes on the GPU: FlashInfer decode variants and a profile window of the real run.
+
+Run on a CUDA machine from the repository root (minisgl and its plugins importable):
+
+    python3 docs/benchmarks/gpu_probe.py attention          # decode kernel: page sizes x tensor cores
+    python3 docs/benchmarks/gpu_probe.py window OUT_DIR      # profile steps 300..320 of the offline workload
+
+``attention`` times FlashInfer's paged decode kernel alone, at the shapes of the offline benchmark
+(Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16) for batch 64 and 256 with 600..2000-token
+contexts, and reports the KV bytes read per second. ``window`` runs the offline workload and profiles 20
+decode steps in the middle of it (batch near 256): wall time per step against the device's kernel time
+per step, and the kernels that take it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def attention() -> list[dict]:
+    import flashinfer
+
+    dev = torch.device("cuda")
+    hq, hkv, d = 16, 8, 128
+    rows = []
+    for bs in (64, 256):
+        rng = random.Random(bs)
+        lens = [rng.randint(600, 2000) for _ in range(bs)]
+        q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device=dev)
+        for ps in (1, 16, 64):
+            counts = [-(-n // ps) for n in lens]
+            pages = sum(counts)
+            k = torch.randn(pages + 1, ps, hkv, d, dtype=torch.bfloat16, device=dev)
+            v = torch.randn_like(k)
+            perm = torch.randperm(pages, device=dev).to(torch.int32) + 1  # scattered pages, like a used pool
+            indptr = torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.int32)
+            last = torch.tensor([n - (c - 1) * ps for n, c in zip(lens, counts)], dtype=torch.int32)
+            for tc in (False, True):
+                ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+                w.plan(indptr, perm, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                for _ in range(3):
+                    w.run(q, (k, v))
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                n = 50
+                start.record()
+                for _ in range(n):
+                    w.run(q, (k, v))
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) / n * 1000
+                kv_bytes = sum(lens) * hkv * d * 2 * 2
+                row = {
+                    "batch": bs,
+                    "page_size": ps,
+                    "tensor_cores": tc,
+                    "us": round(us, 1),
+                    "kv_tb_s": round(kv_bytes / us / 1e6, 2),
+                    "tokens": sum(lens),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.benchmark.offline import CONFIG_DIR, gpu_workload
+
+    work = gpu_workload()
+    llm = LLM(
+        "qwen3-0.6b",
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        model_config=str(CONFIG_DIR / "qwen3-0.6b.json"),
+        page_size=16,
+        max_running_requests=256,
+        chunked_prefill_size=8192,
+        max_model_len=4096,
+        cuda_graph_max_bs=256,
+    )
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens]
+    llm.generate(
+        work.prompts[:8], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * 8, use_tqdm=False
+    )
+    sched = llm.scheduler
+    original = sched.step
+    state = {"n": 0, "prof": None, "t0": 0.0, "sizes": []}
+
+    def step():
+        i = state["n"]
+        if i == first:
+            torch.cuda.synchronize()
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        events = original()
+        if first <= i < first + steps:
+            state["sizes"].append(len(sched.running))
+        if i == first + steps - 1:
+            torch.cuda.synchronize()
+            state["wall"] = time.perf_counter() - state["t0"]
+            state["prof"].__exit__(None, None, None)
+        state["n"] = i + 1
+        return events
+
+    sched.step = step
+    t0 = time.perf_counter()
+    llm.generate(work.prompts, params, use_tqdm=False)
+    total = time.perf_counter() - t0
+    prof = state["prof"]
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    (out_dir / "profile-window.txt").write_text(table)
+    result = {
+        "steps_profiled": steps,
+        "first_step": first,
+        "running": state["sizes"],
+        "wall_ms_per_step": state["wall"] * 1000 / steps,
+        "gpu_kernel_ms_per_step": gpu_us / 1000 / steps,
+        "total_steps": state["n"],
+        "total_seconds_with_profiler": total,
+    }
+    print(table[:5000])
+    print(json.dumps(result))
+    llm.close()
+    return result
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
+    out.mkdir(parents=True, exist_ok=True)
+    res = attention() if what == "attention" else window(out)
+    (out / f"gpu-probe-{what}.json").write_text(json.dumps(res, indent=1))
