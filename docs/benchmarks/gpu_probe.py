@@ -3,7 +3,7 @@
 Run on a CUDA machine from the repository root (minisgl and its plugins importable):
 
     python3 docs/benchmarks/gpu_probe.py attention          # decode kernel: page sizes x tensor cores
-    python3 docs/benchmarks/gpu_probe.py window OUT_DIR      # profile steps 300..320 of the offline workload
+    python3 docs/benchmarks/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
 
 ``attention`` times FlashInfer's paged decode kernel alone, at the shapes of the offline benchmark
 (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16) for batch 64 and 256 with 600..2000-token
@@ -71,6 +71,7 @@ def attention() -> list[dict]:
 
 
 def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
+    """Profile decode steps ``first .. first + steps`` of the offline workload."""
     from torch.profiler import ProfilerActivity, profile
 
     from minisgl import LLM, SamplingParams
@@ -95,7 +96,7 @@ def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
     )
     sched = llm.scheduler
     original = sched.step
-    state = {"n": 0, "prof": None, "t0": 0.0, "sizes": []}
+    state = {"n": 0, "prof": None, "t0": 0.0, "sizes": [], "trace": []}
 
     def step():
         i = state["n"]
@@ -105,6 +106,7 @@ def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
         events = original()
+        state["trace"].append((time.perf_counter(), len(sched.running)))
         if first <= i < first + steps:
             state["sizes"].append(len(sched.running))
         if i == first + steps - 1:
@@ -142,5 +144,9 @@ if __name__ == "__main__":
     what = sys.argv[1]
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
     out.mkdir(parents=True, exist_ok=True)
-    res = attention() if what == "attention" else window(out)
-    (out / f"gpu-probe-{what}.json").write_text(json.dumps(res, indent=1))
+    first = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+    res = attention() if what == "attention" else window(out, first)
+    name = what if what == "attention" else f"{what}-{first}"
+    if what != "attention":
+        (out / "profile-window.txt").rename(out / f"profile-window-{first}.txt")
+    (out / f"gpu-probe-{name}.json").write_text(json.dumps(res, indent=1))

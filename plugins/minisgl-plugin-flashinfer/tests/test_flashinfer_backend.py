@@ -32,7 +32,16 @@ MAX_SEQ = 1024
 class Setup:
     """A KV pool, a page table and both backends over them."""
 
-    def __init__(self, page_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    def __init__(
+        self,
+        page_size: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int,
+        tensor_cores: bool | None = None,
+    ):
         from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
 
         self.dev = torch.device("cuda")
@@ -59,7 +68,7 @@ class Setup:
             dtype=dtype,
             device=self.dev,
         )
-        self.fi = FlashInferAttnBackend(self.ctx)
+        self.fi = FlashInferAttnBackend(self.ctx, use_tensor_cores=tensor_cores)
         self.ref = TorchAttnBackend(self.ctx)
 
     def make_batch(self, phase: str, specs: list[tuple[int, int]]) -> Batch:
@@ -122,10 +131,11 @@ def test_prefill_with_cached_prefix_matches_torch(page_size: int, heads: int, kv
     _check(s, s.make_batch("prefill", specs))
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", GQA)
-def test_decode_matches_torch(page_size: int, heads: int, kv_heads: int) -> None:
-    s = Setup(page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 7 + heads)
+def test_decode_matches_torch(page_size: int, heads: int, kv_heads: int, tensor_cores: bool) -> None:
+    s = Setup(page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 7 + heads, tensor_cores=tensor_cores)
     specs = [(c, 1) for c in (0, 1, 15, 16, 17, 300, 511, 1000)]
     _check(s, s.make_batch("decode", specs))
 
@@ -140,10 +150,11 @@ def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
     _check(s2, s2.make_batch("decode", [(10, 1), (100, 1), (31, 1)]))
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_graph_replay_matches_torch(page_size: int) -> None:
+def test_decode_graph_replay_matches_torch(page_size: int, tensor_cores: bool) -> None:
     """Capture decode attention at batch size 8, replay it for 5 real requests (3 padded)."""
-    s = Setup(page_size, 16, 8, 128, torch.bfloat16, seed=42 + page_size)
+    s = Setup(page_size, 16, 8, 128, torch.bfloat16, seed=42 + page_size, tensor_cores=tensor_cores)
     c = s.ctx
     s.fi.init_capture_graph(MAX_SEQ, [4, 8])
     static_q = torch.zeros(8, c.num_qo_heads * c.head_dim, dtype=c.dtype, device=s.dev)
