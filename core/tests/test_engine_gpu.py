@@ -172,6 +172,10 @@ def test_teacher_forced_logits_close_to_torch(model_dir: Path, reference: Refere
     same = got.argmax(-1) == ref.argmax(-1)
     assert decisive.float().mean() > 0.8, "too few decisive positions to judge"
     top1 = same[decisive].float().mean().item()
+    print(
+        f"RESULT {model_dir.name}: top-1 agreement {same.float().mean():.4f} over all {len(same)} positions, "
+        f"{top1:.4f} over the {int(decisive.sum())} decisive ones"
+    )
     assert top1 >= 0.99, f"top-1 agreement at decisive positions {top1:.4f} (all positions: {same.float().mean():.4f})"
 
 

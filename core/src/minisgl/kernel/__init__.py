@@ -3,6 +3,12 @@
 :func:`enabled` says whether layers built for ``device`` use them: CUDA, Triton
 importable, and ``MINISGL_DISABLE_TRITON`` unset (for ablations). It is read
 when a layer is built, never per call.
+
+Triton compiles a variant of a kernel for each new "specialisation" of its
+arguments (an integer equal to 1 or divisible by 16, a pointer aligned to 16
+bytes). Arguments that change from call to call (row counts, per-step seeds,
+slices of a packed input buffer) are marked ``do_not_specialize`` so that a
+running server never stops to compile a kernel for a shape it has not met.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(
     x_ptr,
     res_ptr,
@@ -233,7 +233,7 @@ def _norm_rope_heads(
     tl.store(out + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pos_ptr"])
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,

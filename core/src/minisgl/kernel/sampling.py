@@ -36,7 +36,7 @@ def _consider(best, best_idx, logits_ptr, row, stride, idx, vocab, u, inv_t, gre
     return tl.where(take, score, best), tl.where(take, idx, best_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _gumbel_chunk_kernel(
     logits_ptr,
     inv_temp_ptr,

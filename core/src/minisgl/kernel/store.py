@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["loc_ptr"])
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
