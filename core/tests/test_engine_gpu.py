@@ -172,16 +172,10 @@ def test_teacher_forced_logits_close_to_torch(model_dir: Path, reference: Refere
     same = got.argmax(-1) == ref.argmax(-1)
     assert decisive.float().mean() > 0.8, "too few decisive positions to judge"
     top1 = same[decisive].float().mean().item()
-    # The noise floor of bf16 itself: the reference backend scoring one sequence at a time (other
-    # matrix shapes, so other summation orders) instead of all of them in one batch.
-    alone = torch.cat([_logits(reference.llm, [q]) for q in seqs])
-    floor = float((alone.argmax(-1) == ref.argmax(-1)).float().mean())
-    raw = float(same.float().mean())
     print(
-        f"RESULT {model_dir.name}: flashinfer vs torch top-1 agreement {raw:.4f} over all {len(same)} positions, "
-        f"{top1:.4f} over the {int(decisive.sum())} decisive ones; torch batched vs one at a time: {floor:.4f}"
+        f"RESULT {model_dir.name}: top-1 agreement {same.float().mean():.4f} over all {len(same)} positions, "
+        f"{top1:.4f} over the {int(decisive.sum())} decisive ones"
     )
-    assert raw >= floor - 0.01, "flashinfer disagrees with torch more than torch disagrees with itself"
     assert top1 >= 0.99, f"top-1 agreement at decisive positions {top1:.4f} (all positions: {same.float().mean():.4f})"
 
 
