@@ -114,6 +114,7 @@ class Engine:
             raise ValidationError(
                 "attention_backend", f"expected NAME or PREFILL,DECODE, got '{self.config.attention_backend}'"
             )
+        self._attn_names = names
         self.attn_specs = [reg.pick("attention", n, dev) for n in names]
         self.moe_backend: BaseMoEBackend | None = None
         if self._is_moe():
@@ -192,12 +193,32 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        backends = [spec.build(ctx) for spec in self.attn_specs]
+        backends = [self._build_attention_backend(i, ctx) for i in range(len(self.attn_specs))]
         if len(backends) == 1:
             return backends[0]
         if self.attn_specs[0].name == self.attn_specs[1].name:
             return backends[0]
         return HybridAttnBackend(backends[0], backends[1])
+
+    def _build_attention_backend(self, i: int, ctx: AttentionContext) -> BaseAttnBackend:
+        """Build the ``i``-th configured backend. Under ``auto``, a backend that rejects this
+        model (``ValueError``: head size, dtype...) gives way to the next best one."""
+        if self._attn_names[i] != "auto":
+            return self.attn_specs[i].build(ctx)
+        reasons: list[str] = []
+        for spec in self.registry.ranked("attention", self.device.type):
+            try:
+                backend = spec.build(ctx)
+            except ValueError as exc:
+                reasons.append(f"{spec.name}: {exc}")
+                continue
+            if reasons:
+                logger.info("attention 'auto' chose %s (%s)", spec.name, "; ".join(reasons))
+            self.attn_specs[i] = spec
+            return backend
+        raise ValidationError(
+            "attention_backend", "no installed attention backend can run this model: " + "; ".join(reasons)
+        )
 
     def _build_graphs(self) -> CudaGraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)

@@ -154,12 +154,16 @@ class PluginRegistry:
                     f"{KIND_LABELS[kind]}s that do: {', '.join(self.supported(kind, device)) or 'none'}"
                 )
             return spec
+        return self.ranked(kind, device)[0]
+
+    def ranked(self, kind: Kind, device: str) -> list[ComponentSpec]:
+        """The ``kind`` specs that run on ``device``, best first (what ``"auto"`` chooses from)."""
         candidates = [p.spec for p in self._components[kind].values() if p.spec.supports(device)]
         if not candidates:
             raise UnknownComponentError(
                 f"no installed {KIND_LABELS[kind]} supports device '{device}'; installed: {self._installed_text(kind)}"
             )
-        return max(candidates, key=lambda s: (s.priority, s.name))
+        return sorted(candidates, key=lambda s: (s.priority, s.name), reverse=True)
 
     # ------------------------------------------------------------- messages
     def _installed_text(self, kind: Kind) -> str:
