@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -19,6 +21,15 @@ def _builtin_only() -> PluginRegistry:
 
 class TestTorchBackendConformance(AttentionBackendConformance):
     backend = "torch"
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+class TestTorchBackendPaddedDecode(AttentionBackendConformance):
+    """The generic padded path for decode batches too (on CPU, decode batches default to length groups)."""
+
+    backend = partial(TorchAttnBackend, grouped_decode=False)
 
     def load_registry(self) -> PluginRegistry:
         return _builtin_only()

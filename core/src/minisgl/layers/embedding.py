@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
-from .linear import set_loader
+from .linear import linear, set_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

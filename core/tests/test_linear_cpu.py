@@ -1,0 +1,44 @@
+"""``minisgl.layers.linear.linear``: the CPU float32 product formulation must equal ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers.linear import _weight_major, linear
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 8, 15, 16, 40, 256, 257, 600])
+@pytest.mark.parametrize("out_features", [48, 20_000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(rows: int, out_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(out_features, 96, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    got = linear(x, w, b)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_keeps_leading_dims_and_noncontiguous_input() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 96, 8, generator=gen).transpose(1, 2)  # [4, 8, 96], not contiguous: 32 rows
+    w = torch.randn(40, 96, generator=gen)
+    got = linear(x, w)
+    assert got.shape == (4, 8, 40)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got.reshape(32, 40), F.linear(x.reshape(32, 96), w), atol=1e-4, rtol=1e-5)
+
+
+def test_weight_major_rule() -> None:
+    assert not _weight_major(1, 49152)  # a matrix-vector product either way
+    assert _weight_major(2, 49152) and _weight_major(8, 49152)  # wide LM head: from two rows
+    assert not _weight_major(8, 3072) and _weight_major(16, 3072) and _weight_major(256, 576)
+    assert not _weight_major(257, 3072)  # prefill-sized: F.linear
+
+
+def test_linear_other_dtypes_unchanged() -> None:
+    x, w = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w), F.linear(x, w))
