@@ -6,6 +6,7 @@ Each subcommand lives in its own module and is imported only when used.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -38,7 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minisgl: unknown command '{args[0]}'\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(entry[0])
-    return int(module.main(args[1:]) or 0)
+    try:
+        code = int(module.main(args[1:]) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`minisgl plugins --json | head`): stop quietly, as other tools do.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the pipe
 
 
 if __name__ == "__main__":

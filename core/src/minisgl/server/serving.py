@@ -93,6 +93,11 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
     }
 
 
+# How often a request's handler checks that its HTTP client is still there (seconds): a client
+# that leaves frees its KV pages within about this long.
+DISCONNECT_CHECK_S = 0.25
+
+
 class Generation:
     """The jobs of one HTTP request and the queue their messages arrive on."""
 
@@ -104,18 +109,18 @@ class Generation:
         self.prompt_field = prompt_field
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._early: list[TokenOutput] = []
-        self._check_at = time.monotonic() + 1.0
+        self._check_at = time.monotonic() + DISCONNECT_CHECK_S
 
     async def _next(self) -> Any:
         while True:
-            # Outputs may arrive without pause for a long time: look for a gone client every second regardless.
+            # Outputs may arrive without pause for a long time: look for a gone client regularly regardless.
             now = time.monotonic()
             if now >= self._check_at:
-                self._check_at = now + 1.0
+                self._check_at = now + DISCONNECT_CHECK_S
                 if await self.request.is_disconnected():
                     raise ClientGone()
             try:
-                msg = await asyncio.wait_for(self.queue.get(), 1.0)
+                msg = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK_S)
             except TimeoutError:
                 continue
             if isinstance(msg, ServerGone):
