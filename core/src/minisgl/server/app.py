@@ -215,10 +215,17 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        wait = settings.health_timeout
         try:
-            stats = await client.stats(timeout=5.0)
-        except (ServerGone, TimeoutError) as exc:
-            reason = str(exc) or "the scheduler did not answer within 5 s"
+            stats = await client.stats(timeout=wait)
+        except ServerGone as exc:
+            return _error(APIError(503, f"not ready: {exc}", "server_error", code="service_unavailable"))
+        except TimeoutError:
+            if client.in_flight:
+                # The scheduler answers between steps: one long step (a big prefill on a CPU) with
+                # requests in flight is work, not a hang. A dead scheduler is ServerGone instead.
+                return JSONResponse({"status": "busy", "model": model_name, "in_flight": client.in_flight})
+            reason = f"the scheduler did not answer within {wait:g} s"
             return _error(APIError(503, f"not ready: {reason}", "server_error", code="service_unavailable"))
         metrics.update(stats)
         return JSONResponse({"status": "ok", "model": model_name, "running": stats.running, "waiting": stats.waiting})
@@ -227,7 +234,7 @@ def create_app(
     async def prometheus() -> Response:
         # Still serve the counters when the scheduler does not answer; the gauges keep their last values.
         with contextlib.suppress(ServerGone, TimeoutError):
-            metrics.update(await client.stats(timeout=5.0))
+            metrics.update(await client.stats(timeout=settings.health_timeout))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -75,6 +75,11 @@ class EngineClient:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished yet."""
+        return sum(1 for s in self.streams.values() if not s.done)
+
     # ------------------------------------------------------------ requests
     def new_rid(self) -> int:
         return next(self._rids)

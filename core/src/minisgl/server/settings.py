@@ -23,7 +23,9 @@ ENGINE_FIELD_NAMES = {"attn": "attention_backend", "cache": "prefix_cache", "hf_
 FLAG_ALIASES = {"attn": ["--attention-backend"], "cache": ["--prefix-cache"]}
 # Flags whose name differs from the field name.
 FLAG_NAMES = {"hf_config_path": "--model-config"}
-SERVER_ONLY = {"host", "port", "api_key", "served_model_name", "shell", "log_level", "shutdown_timeout"}
+SERVER_ONLY = {
+    "host", "port", "api_key", "served_model_name", "shell", "log_level", "shutdown_timeout", "health_timeout"
+}  # fmt: skip
 
 
 class ServeSettings(BaseSettings):
@@ -69,6 +71,7 @@ class ServeSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(30000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
+    health_timeout: float = Field(5.0, gt=0, description="seconds /health and /metrics wait for the scheduler's answer")
     served_model_name: str | None = Field(None, description="model name in the API; default: the model's file name")
     shell: bool = Field(False, description="chat in this terminal instead of serving HTTP")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
