@@ -75,6 +75,10 @@ class BasePrefixCache(ABC):
     """
 
     page_size: int
+    #: Whether inserted prefixes are matched later. The scheduler holds a request back for a step
+    #: when another request of the batch is computing a longer prefix of it, which only pays off
+    #: for a cache that keeps what it is given.
+    reuses_prefixes: bool = True
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:

@@ -23,6 +23,7 @@ than once per request admitted before the first one finishes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,12 @@ class KVCacheManager:
         return self.pages_for(req.max_total_len) <= self.usable_pages and req.max_total_len <= self.max_seq_len
 
     # --------------------------------------------------------------- admission
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` the prefix cache could serve now (page-aligned)."""
+        for row, state in self._rows.items():
+            self._share_prefix(row, state)
+        return self.cache.match_prefix(token_ids).length
+
     def try_admit(self, req: Req) -> bool:
         """Match the prompt's cached prefix, lock it and reserve the rest; False if it does not fit now."""
         if not self._free_rows:

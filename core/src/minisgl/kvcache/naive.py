@@ -13,6 +13,8 @@ from .base import BasePrefixCache, PrefixMatch
 class NaivePrefixCache(BasePrefixCache):
     """No reuse: every match is empty and every insert is declined."""
 
+    reuses_prefixes = False
+
     def __init__(self, page_size: int, device: torch.device | str = "cpu"):
         self.page_size = page_size
 

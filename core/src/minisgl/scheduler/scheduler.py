@@ -185,6 +185,8 @@ class Scheduler:
                 reqs.append(req)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if reqs and self._waits_for_batch_prefix(req, reqs):
+                break
             if not self.kv.try_admit(req):
                 break
             self.waiting.popleft()
@@ -197,6 +199,22 @@ class Scheduler:
         if not reqs:
             return None
         return Batch(reqs, "prefill", sample_mask=[r.device_len == r.prompt_len for r in reqs])
+
+    def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
+        """Whether ``req`` should stay queued for now: a request of this batch is computing a longer
+        prefix of its prompt than the prefix cache holds, and the cache will serve it once computed.
+
+        Requests that arrive together with a shared system prompt then compute it once, not once
+        each. The queue stays first come, first served: the requests behind ``req`` wait too.
+        """
+        if not self.kv.cache.reuses_prefixes:
+            return False
+        limit = req.prompt_len - 1  # the last prompt token is always computed
+        shared = max(
+            _common_prefix_len(req.input_ids, other.input_ids, min(limit, other.device_len)) for other in batch
+        )
+        shared -= shared % self.kv.page_size
+        return shared > 0 and shared > self.kv.cached_prefix_len(req.input_ids[:limit])
 
     def _schedule_decode(self) -> Batch | None:
         # Tokens sampled so far, the one of a batch in flight included, are
@@ -277,6 +295,21 @@ class Scheduler:
     def check_accounting(self) -> None:
         """Assert exact KV page accounting over the live requests."""
         self.kv.check_accounting(self.running)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit`` (slice comparisons run in C)."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _needs_lockstep(req: Req) -> bool:
