@@ -55,6 +55,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         # On CUDA one Triton kernel rotates q and k (normalising them first for Qwen3's q/k norm).
         self._fused = kernel.qk_norm_rope_kernel() if kernel.enabled(device) else None
+        # Elsewhere every layer rotates by the same positions: the factors are looked up once per
+        # forward pass, keyed on that positions tensor (and its version, so in-place edits miss).
+        self._factors: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -74,11 +77,25 @@ class RotaryEmbedding(nn.Module):
             return self._fused(q, k, self.cos_sin, positions, q_norm.weight, k_norm.weight, q_norm.eps)
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._rotation_factors(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def _rotation_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([cos, cos], [-sin, sin])`` per position, ``[tokens, 1, head_dim]``, for :func:`_rotate`."""
+        cached = self._factors
+        if cached is not None and cached[0] is positions and cached[1] == positions._version:
+            return cached[2], cached[3]
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        self._factors = (positions, positions._version, cos2, sin2)
+        return cos2, sin2
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope, ``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]``, in three elementwise ops.
+
+    ``x.roll(half)`` is ``[x2, x1]``; with ``sin2 = [-sin, sin]`` this is the same float arithmetic.
+    """
+    x32 = x.float()
+    out = x32 * cos2 + x32.roll(x.shape[-1] // 2, dims=-1) * sin2
     return out.to(x.dtype)
