@@ -26,10 +26,11 @@ class TestTorchBackendConformance(AttentionBackendConformance):
         return _builtin_only()
 
 
-class TestTorchBackendPaddedDecode(AttentionBackendConformance):
-    """The generic padded path for decode batches too (on CPU, decode batches default to length groups)."""
+class TestTorchBackendPadded(AttentionBackendConformance):
+    """The generic padded path for every batch (on CPU, decode batches default to length groups and
+    prefill batches to one attention call per request)."""
 
-    backend = partial(TorchAttnBackend, grouped_decode=False)
+    backend = partial(TorchAttnBackend, grouped_decode=False, per_request_prefill=False)
 
     def load_registry(self) -> PluginRegistry:
         return _builtin_only()
@@ -96,7 +97,14 @@ class _WrongLayer(TorchAttnBackend):
         return super().forward(q, k, v, 0, batch)
 
 
-class _IgnoresCachedPrefix(TorchAttnBackend):
+class _PaddedBackend(TorchAttnBackend):
+    """The generic padded path, whose one mask the broken backends below edit."""
+
+    def __init__(self, ctx: AttentionContext):
+        super().__init__(ctx, per_request_prefill=False)
+
+
+class _IgnoresCachedPrefix(_PaddedBackend):
     """Attends only to the new tokens, forgetting the KV already in the cache."""
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -105,7 +113,7 @@ class _IgnoresCachedPrefix(TorchAttnBackend):
             batch.attn_metadata.mask[i, :, :, : r.cached_len] = False
 
 
-class _NoCausalMask(TorchAttnBackend):
+class _NoCausalMask(_PaddedBackend):
     """Lets every new token see every other new token of its request."""
 
     def prepare_metadata(self, batch: Batch) -> None:

@@ -128,3 +128,34 @@ def test_grouped_decode_is_cpu_default_and_skips_prefill() -> None:
     batch.reqs[0].cached_len = 10  # 10 new tokens: a prefill chunk takes the padded path
     TorchAttnBackend(ctx).prepare_metadata(batch)
     assert not isinstance(batch.attn_metadata, TorchDecodeMetadata)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
+def test_per_request_prefill_equals_padded_prefill(page_size: int, hq: int, hkv: int) -> None:
+    lengths = [37, 1, 16, 17, 130, 5, 64]
+    cached = [0, 0, 15, 3, 0, 4, 63]  # no prefix, a one-token prompt, prefix hits, a decode row
+    ctx, batch, gen = _decode_setup(page_size, hq, hkv, lengths, seed=page_size + hq)
+    for req, c in zip(batch.reqs, cached, strict=True):
+        req.cached_len = c
+    new_slots = [ctx.page_table[i, c:n] for i, (c, n) in enumerate(zip(cached, lengths, strict=True))]
+    batch.out_loc = torch.cat(new_slots).long()
+    per_request, padded = TorchAttnBackend(ctx), TorchAttnBackend(ctx, per_request_prefill=False)
+    assert per_request.per_request_prefill
+    per_request_batch = Batch(**{**batch.__dict__, "attn_metadata": None})
+    per_request.prepare_metadata(per_request_batch)
+    padded.prepare_metadata(batch)
+    assert isinstance(per_request_batch.attn_metadata, torch_backend.TorchPrefillMetadata)
+    assert isinstance(batch.attn_metadata, torch_backend.TorchAttnMetadata)
+    n, d = len(batch.out_loc), ctx.head_dim
+    for layer in range(2):
+        q = torch.randn(n, hq * d, generator=gen)
+        k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
+        want = padded.forward(q, k, v, layer, batch)
+        got = per_request.forward(q, k, v, layer, per_request_batch)  # stores the same K/V again
+        assert got.shape == (n, hq * d)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # The last new token of each request against the float64 reference (its full KV).
+        last = torch.tensor(list(itertools.accumulate(n_ - c for n_, c in zip(lengths, cached, strict=True)))) - 1
+        want_last = _reference(q[last], ctx, batch, layer)
+        torch.testing.assert_close(got[last].double(), want_last, atol=1e-5, rtol=1e-5)

@@ -8,6 +8,10 @@ Decode batches on CPU take a variant of the same computation: requests are
 sorted by KV length and split into a few groups, each padded only to its own
 longest request. Gathering K/V and attending both cost in proportion to the
 padded size, and decode lengths in a batch often differ several-fold.
+
+Prefill batches on CPU attend request by request instead: a prompt with no
+cached prefix attends to its own new K/V (no gather) under ``is_causal``, which
+lets the kernel skip the upper triangle that the padded, masked problem computes.
 """
 
 from __future__ import annotations
@@ -52,6 +56,22 @@ class TorchDecodeMetadata:
     batch_size: int
 
 
+@dataclass
+class PrefillRequest:
+    """One request of a prefill batch: new tokens ``[q_start, q_start + q_len)`` of the flat batch."""
+
+    q_start: int
+    q_len: int
+    kv_index: torch.Tensor  # [kv_len] token slots
+    mask: torch.Tensor | None  # [q_len, kv_len] True where attention is allowed; None: all, or causal if no prefix
+    no_prefix: bool  # the request's whole KV is this batch's new K/V
+
+
+@dataclass
+class TorchPrefillMetadata:
+    requests: list[PrefillRequest]
+
+
 def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -> list[list[int]]:
     """Split positions ``0..len(lengths)-1`` into groups of similar length.
 
@@ -76,15 +96,23 @@ def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    """``grouped_decode``: decode batches by length groups (default: on CPU only)."""
+    """``grouped_decode``: decode batches by length groups; ``per_request_prefill``: other
+    batches request by request (both default to on for CPU only)."""
 
-    def __init__(self, ctx: AttentionContext, grouped_decode: bool | None = None):
+    def __init__(
+        self, ctx: AttentionContext, grouped_decode: bool | None = None, per_request_prefill: bool | None = None
+    ):
         self.ctx = ctx
-        self.grouped_decode = ctx.device.type == "cpu" if grouped_decode is None else grouped_decode
+        cpu = ctx.device.type == "cpu"
+        self.grouped_decode = cpu if grouped_decode is None else grouped_decode
+        self.per_request_prefill = cpu if per_request_prefill is None else per_request_prefill
 
     def prepare_metadata(self, batch: Batch) -> None:
         if self.grouped_decode and all(r.extend_len == 1 for r in batch.reqs):
             batch.attn_metadata = self._decode_metadata(batch)
+            return
+        if self.per_request_prefill:
+            batch.attn_metadata = self._prefill_metadata(batch)
             return
         dev = self.ctx.device
         q_lens = [r.extend_len for r in batch.reqs]
@@ -106,6 +134,20 @@ class TorchAttnBackend(BaseAttnBackend):
         batch.attn_metadata = TorchAttnMetadata(
             kv_index.reshape(-1), mask.unsqueeze(1), q_batch * max_q + q_offset, bsz, max_q, max_kv
         )
+
+    def _prefill_metadata(self, batch: Batch) -> TorchPrefillMetadata:
+        dev = self.ctx.device
+        requests, q_start = [], 0
+        for r in batch.reqs:
+            kv_index = self.ctx.page_table[r.table_idx, : r.device_len].to(torch.int64)
+            mask = None
+            if r.cached_len > 0 and r.extend_len > 1:
+                key_pos = torch.arange(r.device_len, device=dev).view(1, -1)
+                q_pos = torch.arange(r.cached_len, r.device_len, device=dev).view(-1, 1)
+                mask = key_pos <= q_pos
+            requests.append(PrefillRequest(q_start, r.extend_len, kv_index, mask, r.cached_len == 0))
+            q_start += r.extend_len
+        return TorchPrefillMetadata(requests)
 
     def _decode_metadata(self, batch: Batch) -> TorchDecodeMetadata:
         dev = self.ctx.device
@@ -135,6 +177,8 @@ class TorchAttnBackend(BaseAttnBackend):
         ctx.kv_pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
         if isinstance(meta, TorchDecodeMetadata):
             return self._forward_decode(q, layer_id, meta)
+        if isinstance(meta, TorchPrefillMetadata):
+            return self._forward_prefill(q, k, v, layer_id, meta)
         assert isinstance(meta, TorchAttnMetadata)
         bsz, max_q, max_kv = meta.batch_size, meta.max_q, meta.max_kv
         decode = max_q == 1  # one new token per request: the flat order is already the padded order
@@ -145,6 +189,36 @@ class TorchAttnBackend(BaseAttnBackend):
             qp = qp.view(bsz, max_q, hq, d)
         out = self._attend(qp, layer_id, meta.kv_index, meta.mask, max_kv)
         return out if decode else out.index_select(0, meta.q_dest)
+
+    def _forward_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: TorchPrefillMetadata
+    ) -> torch.Tensor:
+        ctx = self.ctx
+        hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
+        q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+        k_cache, v_cache = ctx.kv_pool.k_cache(layer_id), ctx.kv_pool.v_cache(layer_id)
+        # The new K/V as computed equal what the pool holds unless the pool stores another dtype.
+        reuse_new = k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
+        outs = []
+        for r in meta.requests:
+            qr = q[r.q_start : r.q_start + r.q_len]
+            if r.no_prefix and reuse_new:
+                kr = k[r.q_start : r.q_start + r.q_len].to(qr.dtype)
+                vr = v[r.q_start : r.q_start + r.q_len].to(qr.dtype)
+            else:
+                kr = k_cache.reshape(-1, hkv, d).index_select(0, r.kv_index).to(qr.dtype)
+                vr = v_cache.reshape(-1, hkv, d).index_select(0, r.kv_index).to(qr.dtype)
+            out = F.scaled_dot_product_attention(
+                qr.transpose(0, 1),
+                kr.transpose(0, 1),
+                vr.transpose(0, 1),
+                attn_mask=r.mask,
+                is_causal=r.no_prefix and r.q_len > 1,
+                scale=ctx.scale,
+                enable_gqa=hq != hkv,
+            )
+            outs.append(out.transpose(0, 1).reshape(r.q_len, hq * d))
+        return torch.cat(outs)
 
     def _forward_decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMetadata) -> torch.Tensor:
         hq, d = self.ctx.num_qo_heads, self.ctx.head_dim
