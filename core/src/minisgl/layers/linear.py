@@ -34,14 +34,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, with the product computed as ``(weight @ x.T).T`` where that is faster.
 
     MKL's float32 GEMM is slow when ``x`` has few rows, and on some CPUs it is far slower
-    (AMD EPYC, 2 threads: 1.2-1.6x for 16-256 rows on this project's layer shapes, 1.5-2.8x
-    for a 49k-row LM head at 2-64 rows). With the weight as the left operand its rows are the
+    (AMD EPYC, 2 threads: 1.2-1.6x for 16-256 rows on this project's layer shapes, 1.5-2.3x
+    at 2-4 rows, 1.5-2.8x for a 49k-row LM head at 2-64 rows). With the weight as the left operand its rows are the
     long side of the product and the same library runs near its large-matrix rate. The result
     is a transposed view; every caller here accepts any strides. CUDA and other dtypes
     take ``F.linear`` unchanged.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not _weight_major(rows, weight.shape[0]):
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not _weight_major(rows):
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
     if bias is not None:
@@ -49,16 +49,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _weight_major(rows: int, out_features: int) -> bool:
+def _weight_major(rows: int) -> bool:
     """Whether :func:`linear` computes ``weight @ x.T`` (a rule measured on MKL, see there).
 
-    Between 16 and 256 rows it wins on every shape measured; below 16 rows only for very
-    wide weights (LM heads); one row is a matrix-vector product either way, and from a few
-    hundred rows on (prefill) the two are equal or ``F.linear`` wins.
+    It wins on every shape measured at 2-8 and 16-256 rows, and breaks even at 10-15
+    (SmolLM2's four layer shapes, summed: within 10% either way); one row is a
+    matrix-vector product either way, and from a few hundred rows on (prefill) the two
+    are equal or ``F.linear`` wins.
     """
-    if rows < 2 or rows > 256:
-        return False
-    return rows >= 16 or out_features >= 16384
+    return 2 <= rows <= 256
 
 
 def _param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) -> nn.Parameter:
