@@ -208,16 +208,17 @@ class TorchAttnBackend(BaseAttnBackend):
             else:
                 kr = k_cache.reshape(-1, hkv, d).index_select(0, r.kv_index).to(qr.dtype)
                 vr = v_cache.reshape(-1, hkv, d).index_select(0, r.kv_index).to(qr.dtype)
+            # 4-D inputs: with 3-D ones SDPA on CPU takes its slow math path instead of the flash kernel.
             out = F.scaled_dot_product_attention(
-                qr.transpose(0, 1),
-                kr.transpose(0, 1),
-                vr.transpose(0, 1),
+                qr.transpose(0, 1).unsqueeze(0),
+                kr.transpose(0, 1).unsqueeze(0),
+                vr.transpose(0, 1).unsqueeze(0),
                 attn_mask=r.mask,
                 is_causal=r.no_prefix and r.q_len > 1,
                 scale=ctx.scale,
                 enable_gqa=hq != hkv,
             )
-            outs.append(out.transpose(0, 1).reshape(r.q_len, hq * d))
+            outs.append(out[0].transpose(0, 1).reshape(r.q_len, hq * d))
         return torch.cat(outs)
 
     def _forward_decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMetadata) -> torch.Tensor:

@@ -97,5 +97,10 @@ def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Te
     ``x.roll(half)`` is ``[x2, x1]``; with ``sin2 = [-sin, sin]`` this is the same float arithmetic.
     """
     x32 = x.float()
+    if x32.stride(-1) != 1:
+        # A weight-major CPU GEMM (layers.linear) leaves q and k column-major; elementwise ops keep
+        # that layout, and attention kernels want head_dim contiguous (SDPA on CPU falls back to
+        # its slow math path otherwise).
+        x32 = x32.contiguous()
     out = x32 * cos2 + x32.roll(x.shape[-1] // 2, dims=-1) * sin2
     return out.to(x.dtype)
