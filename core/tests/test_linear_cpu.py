@@ -41,3 +41,12 @@ def test_weight_major_rule() -> None:
 def test_linear_other_dtypes_unchanged() -> None:
     x, w = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_few_rows_give_row_major_output_from_any_input_layout() -> None:
+    """Below 16 rows the next layer's GEMM and row-wise ops are much slower on a column-major tensor."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(96, 8, generator=gen).t(), torch.randn(40, 96, generator=gen)  # x column-major
+    got = linear(x, w)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)

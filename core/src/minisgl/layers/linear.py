@@ -35,15 +35,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     MKL's float32 GEMM is slow when ``x`` has few rows, and on some CPUs it is far slower
     (AMD EPYC, 2 threads: 1.2-1.6x for 16-256 rows on this project's layer shapes, 1.5-2.3x
-    at 2-4 rows, 1.5-2.8x for a 49k-row LM head at 2-64 rows). With the weight as the left operand its rows are the
-    long side of the product and the same library runs near its large-matrix rate. The result
-    is a transposed view; every caller here accepts any strides. CUDA and other dtypes
-    take ``F.linear`` unchanged.
+    at 2-4 rows, 1.5-2.8x for a 49k-row LM head at 2-64 rows). With the weight as the left
+    operand its rows are the long side of the product and the same library runs near its
+    large-matrix rate. From 16 rows the result is a transposed view (every caller here
+    accepts any strides); below that, both ``x`` and the result are made row-major: there
+    the GEMM runs 2-3x slower on a column-major ``x``, and a column-major result would make
+    the next layer's input one, and every row-wise op on it (RMSNorm) slower too. CUDA and
+    other dtypes take ``F.linear`` unchanged.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or x.dtype != torch.float32 or not _weight_major(rows):
         return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows < 16:
+        x2 = x2.contiguous()
+    y = torch.mm(weight, x2.t()).t()
+    if rows < 16:
+        y = y.contiguous()
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
