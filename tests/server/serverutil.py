@@ -88,13 +88,14 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_ready(self, timeout: float = 180.0) -> Server:
+    def wait_ready(self, timeout: float = 180.0, path: str = "/health") -> Server:
+        """Wait until ``path`` answers 200 (another route where /health cannot, e.g. /v1/models)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode} during start-up:\n{self.log}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.url + path, timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

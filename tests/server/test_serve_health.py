@@ -28,16 +28,8 @@ def impatient_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
         "--health-timeout", "1e-9",
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:  # /health cannot say 200 when idle here: wait on /v1/models
-            assert server.proc.poll() is None, server.log
-            try:
-                if httpx.get(server.url + "/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield server
+        # /health cannot say 200 while idle here: wait on /v1/models instead.
+        yield server.wait_ready(path="/v1/models")
     finally:
         server.stop()
 
