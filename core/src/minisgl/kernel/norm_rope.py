@@ -143,63 +143,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr,
-    out_ptr,
-    cs_ptr,
-    pos_ptr,
-    x_stride_t,
-    x_stride_h,
-    heads,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HALF
-    cos = tl.load(cs_ptr + p * (2 * HALF) + d, mask=dmask, other=0.0)[None, :]
-    sin = tl.load(cs_ptr + p * (2 * HALF) + HALF + d, mask=dmask, other=0.0)[None, :]
-    h = tl.arange(0, BLOCK_H)[:, None]
-    mask = (h < heads) & dmask[None, :]
-    src = x_ptr + t * x_stride_t + h * x_stride_h + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + t * heads * (2 * HALF) + h * (2 * HALF) + d[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def rope(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x`` ``[tokens, heads, head_dim]`` (any strides) into a new tensor.
-
-    ``cos_sin`` is ``[max_position, head_dim]`` float32: cosines then sines.
-    """
-    tokens, heads, dim = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    if tokens == 0:
-        return out
-    half = dim // 2
-    _rope_kernel[(tokens,)](
-        x,
-        out,
-        cos_sin,
-        positions,
-        x.stride(0),
-        x.stride(1),
-        heads,
-        HALF=half,
-        BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(half),
-        num_warps=4,
-    )
-    return out
-
-
-@triton.jit
 def _norm_rope_heads(
     src,
     stride_h,
