@@ -96,7 +96,7 @@ def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
     )
     sched = llm.scheduler
     original = sched.step
-    state = {"n": 0, "prof": None, "t0": 0.0, "sizes": [], "trace": []}
+    state = {"n": 0, "prof": None, "t0": 0.0, "sizes": []}
 
     def step():
         i = state["n"]
@@ -106,7 +106,6 @@ def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
         events = original()
-        state["trace"].append((time.perf_counter(), len(sched.running)))
         if first <= i < first + steps:
             state["sizes"].append(len(sched.running))
         if i == first + steps - 1:
