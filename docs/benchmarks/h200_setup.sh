@@ -3,7 +3,7 @@
 # puts the project's sources on PYTHONPATH and writes the dist-info metadata that makes the
 # plugins' entry points visible (they are not pip-installed there). Defines `step LIMIT CMD...`.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -n 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/core/src:$PWD/plugins/minisgl-plugin-llama/src:$PWD/plugins/minisgl-plugin-flashinfer/src:$PWD/plugins/minisgl-plugin-qwen3-moe/src:$PWD/tests
 python3 - <<'PY'
 import pathlib

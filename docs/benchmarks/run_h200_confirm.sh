@@ -1,3 +1,6 @@
+#!/usr/bin/env bash
+# One call on a lent two-H200 host: re-run of the GPU tests that failed in run_h200_tests.sh's run
+# (teacher-forced agreement, hybrid/auto backends, the MoE tiny model) and the tp=2 agreement test.
 set -uo pipefail
 source docs/benchmarks/h200_setup.sh
 LIMIT=280
