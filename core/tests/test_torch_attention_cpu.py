@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -84,6 +85,25 @@ def _reference(q: torch.Tensor, ctx: AttentionContext, batch: Batch, layer: int)
     return torch.stack(rows)
 
 
+def _against_padded(
+    fast: TorchAttnBackend, fast_batch: Batch, padded: TorchAttnBackend, batch: Batch, n: int, gen: torch.Generator
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Random q/k/v for ``n`` new tokens through both backends, two layers; outputs must agree.
+
+    Yields ``(layer, q, output of fast)`` for further checks.
+    """
+    ctx = fast.ctx
+    hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
+    for layer in range(2):
+        q = torch.randn(n, hq * d, generator=gen)
+        k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
+        want = padded.forward(q, k, v, layer, batch)
+        got = fast.forward(q, k, v, layer, fast_batch)  # stores the same K/V again
+        assert got.shape == (n, hq * d)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        yield layer, q, got
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("overhead", [0, 32, 10_000])
@@ -103,14 +123,7 @@ def test_grouped_decode_equals_padded_decode(
         assert len(meta.groups) == len(set(lengths))
     if overhead == 10_000:
         assert len(meta.groups) == 1 and meta.groups[0].rows is None
-    n, d = len(lengths), ctx.head_dim
-    for layer in range(2):
-        q = torch.randn(n, hq * d, generator=gen)
-        k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
-        want = padded.forward(q, k, v, layer, batch)
-        got = grouped.forward(q, k, v, layer, grouped_batch)  # stores the same K/V again
-        assert got.shape == (n, hq * d)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer, q, got in _against_padded(grouped, grouped_batch, padded, batch, len(lengths), gen):
         torch.testing.assert_close(got.double(), _reference(q, ctx, batch, layer), atol=1e-5, rtol=1e-5)
 
 
@@ -147,14 +160,7 @@ def test_per_request_prefill_equals_padded_prefill(page_size: int, hq: int, hkv:
     padded.prepare_metadata(batch)
     assert isinstance(per_request_batch.attn_metadata, torch_backend.TorchPrefillMetadata)
     assert isinstance(batch.attn_metadata, torch_backend.TorchAttnMetadata)
-    n, d = len(batch.out_loc), ctx.head_dim
-    for layer in range(2):
-        q = torch.randn(n, hq * d, generator=gen)
-        k, v = torch.randn(n, hkv * d, generator=gen), torch.randn(n, hkv * d, generator=gen)
-        want = padded.forward(q, k, v, layer, batch)
-        got = per_request.forward(q, k, v, layer, per_request_batch)  # stores the same K/V again
-        assert got.shape == (n, hq * d)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer, q, got in _against_padded(per_request, per_request_batch, padded, batch, len(batch.out_loc), gen):
         # The last new token of each request against the float64 reference (its full KV).
         last = torch.tensor(list(itertools.accumulate(n_ - c for n_, c in zip(lengths, cached, strict=True)))) - 1
         want_last = _reference(q[last], ctx, batch, layer)
