@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.benchmark.offline import cpu_workload, gpu_workload
+from minisgl.benchmark.offline import cpu_workload, gpu_workload, warmup_workload
 from minisgl.engine.graph import graph_batch_sizes
 from minisgl.plugins import PluginRegistry
 from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
@@ -131,6 +131,16 @@ def test_benchmark_workloads_match_the_protocol() -> None:
     assert len(gpu.prompts) == 256 and gpu.output_tokens == 133_966 and gpu.prompt_tokens == 142_827
     cpu = cpu_workload()
     assert len(cpu.prompts) == 32 and cpu.output_tokens == 2_251
+
+
+@pytest.mark.parametrize("workload", [cpu_workload, gpu_workload])
+def test_benchmark_warmup_shares_no_prefix_with_the_timed_prompts(workload) -> None:
+    """A prefix cache must not serve the timed run from the warm-up."""
+    work = workload()
+    warm = warmup_workload(work)
+    assert [len(p) for p in warm.prompts] == [len(p) for p in work.prompts[:8]]
+    for w in warm.prompts:
+        assert all(w[:4] != p[:4] for p in work.prompts)
 
 
 def test_bench_cli_reports_unknown_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
