@@ -113,7 +113,8 @@ def test_grouped_decode_equals_padded_decode(
     monkeypatch.setattr(torch_backend, "GROUP_OVERHEAD_TOKENS", overhead)
     lengths = [37, 1, 16, 17, 130, 5, 64, 129, 33, 130]
     ctx, batch, gen = _decode_setup(page_size, hq, hkv, lengths, seed=page_size + hq)
-    grouped, padded = TorchAttnBackend(ctx, grouped_decode=True), TorchAttnBackend(ctx, grouped_decode=False)
+    grouped = TorchAttnBackend(ctx, grouped_decode=True, native_decode=False)
+    padded = TorchAttnBackend(ctx, grouped_decode=False, native_decode=False)
     grouped_batch = Batch(**{**batch.__dict__, "attn_metadata": None})
     grouped.prepare_metadata(grouped_batch)
     padded.prepare_metadata(batch)
@@ -129,7 +130,7 @@ def test_grouped_decode_equals_padded_decode(
 
 def test_equal_lengths_need_no_mask() -> None:
     ctx, batch, _ = _decode_setup(16, 4, 2, [20, 20, 20], seed=0)
-    TorchAttnBackend(ctx, grouped_decode=True).prepare_metadata(batch)
+    TorchAttnBackend(ctx, grouped_decode=True, native_decode=False).prepare_metadata(batch)
     meta = batch.attn_metadata
     assert isinstance(meta, TorchDecodeMetadata)
     assert [g.mask for g in meta.groups] == [None]
@@ -139,7 +140,7 @@ def test_grouped_decode_is_cpu_default_and_skips_prefill() -> None:
     ctx, batch, _ = _decode_setup(16, 4, 2, [20, 3], seed=0)
     assert TorchAttnBackend(ctx).grouped_decode
     batch.reqs[0].cached_len = 10  # 10 new tokens: a prefill chunk takes the padded path
-    TorchAttnBackend(ctx).prepare_metadata(batch)
+    TorchAttnBackend(ctx, native_decode=False).prepare_metadata(batch)
     assert not isinstance(batch.attn_metadata, TorchDecodeMetadata)
 
 

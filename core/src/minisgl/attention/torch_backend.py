@@ -4,10 +4,13 @@ Requests are padded into one ``[batch, heads, max_new, max_kv]`` problem and
 solved with ``scaled_dot_product_attention`` under a causal-and-length mask.
 It is the reference every other backend is tested against, not a fast path.
 
-Decode batches on CPU take a variant of the same computation: requests are
-sorted by KV length and split into a few groups, each padded only to its own
-longest request. Gathering K/V and attending both cost in proportion to the
-padded size, and decode lengths in a batch often differ several-fold.
+Decode batches on CPU in float32 use the core's native kernel
+(:mod:`minisgl.kernel.cpu`), which reads each request's K/V in place from the
+pool. Without it (no C compiler, other dtypes) they take a variant of the padded
+computation: requests are sorted by KV length and split into a few groups, each
+padded only to its own longest request. Gathering K/V and attending both cost in
+proportion to the padded size, and decode lengths in a batch often differ
+several-fold.
 
 Prefill batches on CPU attend request by request instead: a prompt with no
 cached prefix attends to its own new K/V (no gather) under ``is_causal``, which
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Batch
+from ..kernel.cpu import CpuKernels, load_cpu_kernels
 from .base import AttentionContext, BaseAttnBackend
 
 # What one more decode length group costs (a few extra small ops per layer), in the
@@ -54,6 +58,14 @@ class DecodeGroup:
 class TorchDecodeMetadata:
     groups: list[DecodeGroup]
     batch_size: int
+
+
+@dataclass
+class NativeDecodeMetadata:
+    """A decode batch for the native CPU kernel: each request's table row and KV length."""
+
+    table_rows: torch.Tensor  # [B] int64
+    kv_lens: torch.Tensor  # [B] int64
 
 
 @dataclass
@@ -96,19 +108,49 @@ def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    """``grouped_decode``: decode batches by length groups; ``per_request_prefill``: other
-    batches request by request (both default to on for CPU only)."""
+    """``native_decode``: decode batches with the native CPU kernel (default: on where it can
+    run: CPU, float32, a contiguous pool, kernels built); ``grouped_decode``: otherwise by
+    length groups; ``per_request_prefill``: other batches request by request (both default
+    to on for CPU only)."""
 
     def __init__(
-        self, ctx: AttentionContext, grouped_decode: bool | None = None, per_request_prefill: bool | None = None
+        self,
+        ctx: AttentionContext,
+        grouped_decode: bool | None = None,
+        per_request_prefill: bool | None = None,
+        native_decode: bool | None = None,
     ):
         self.ctx = ctx
         cpu = ctx.device.type == "cpu"
         self.grouped_decode = cpu if grouped_decode is None else grouped_decode
         self.per_request_prefill = cpu if per_request_prefill is None else per_request_prefill
+        self.native: CpuKernels | None = None
+        if native_decode is not False:
+            self.native = self._native_kernels()
+            if native_decode and self.native is None:
+                raise ValueError(
+                    "native_decode needs CPU float32 attention over a contiguous KV pool and the native CPU "
+                    "kernels (a C compiler; see minisgl.kernel.cpu)"
+                )
+
+    def _native_kernels(self) -> CpuKernels | None:
+        ctx = self.ctx
+        k0, v0 = ctx.kv_pool.k_cache(0), ctx.kv_pool.v_cache(0)
+        if not CpuKernels.supports(k0, v0) or ctx.dtype != torch.float32 or ctx.page_table.dtype != torch.int32:
+            return None
+        if not (k0.is_contiguous() and v0.is_contiguous() and ctx.page_table.stride(1) == 1):
+            return None
+        return load_cpu_kernels()
 
     def prepare_metadata(self, batch: Batch) -> None:
-        if self.grouped_decode and all(r.extend_len == 1 for r in batch.reqs):
+        decode = all(r.extend_len == 1 for r in batch.reqs)
+        if self.native is not None and decode:
+            batch.attn_metadata = NativeDecodeMetadata(
+                torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64),
+                torch.tensor([r.device_len for r in batch.reqs], dtype=torch.int64),
+            )
+            return
+        if self.grouped_decode and decode:
             batch.attn_metadata = self._decode_metadata(batch)
             return
         if self.per_request_prefill:
@@ -175,6 +217,18 @@ class TorchAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
         ctx.kv_pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
+        if isinstance(meta, NativeDecodeMetadata):
+            assert self.native is not None
+            pool = ctx.kv_pool
+            return self.native.decode_attention(
+                q.view(-1, hq, d),
+                pool.k_cache(layer_id),
+                pool.v_cache(layer_id),
+                ctx.page_table,
+                meta.table_rows,
+                meta.kv_lens,
+                ctx.scale,
+            )
         if isinstance(meta, TorchDecodeMetadata):
             return self._forward_decode(q, layer_id, meta)
         if isinstance(meta, TorchPrefillMetadata):

@@ -41,6 +41,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         # One-pass Triton sampling on CUDA for plain temperature/greedy rows; seeds for it come from the host.
         self._fused = kernel.gumbel_sampler() if kernel.enabled(device) else None
+        self._cpu = kernel.cpu_kernels(device, torch.float32)  # argmax in C: torch's runs at ~3 GB/s
         self._seeds = random.Random(seed)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
@@ -59,7 +60,7 @@ class Sampler:
         )
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
         else:
             tokens = self._sample_random(logits, reqs, greedy)
         if any(lp is not None for lp in logprobs):
@@ -71,6 +72,11 @@ class Sampler:
         for r in reqs:
             r.step_seed += 1
         return SampleResult(tokens, logprobs)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._cpu is not None and logits.dim() == 2 and logits.dtype == torch.float32 and 1 in logits.stride():
+            return self._cpu.argmax(logits)
+        return logits.argmax(dim=-1)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Req], greedy: list[bool]) -> torch.Tensor:
         n, vocab = logits.shape
@@ -92,7 +98,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
             mask = to_device(greedy, torch.bool, dev)
-            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(mask, self._argmax(logits), sampled)
         return sampled
 
     @staticmethod

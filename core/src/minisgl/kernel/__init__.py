@@ -1,4 +1,7 @@
-"""The core's own Triton kernels, used on CUDA where profiling showed PyTorch glue costing time.
+"""The core's own kernels: Triton on CUDA, C on CPU, used where profiling showed PyTorch glue costing time.
+
+The CPU kernels live in :mod:`minisgl.kernel.cpu` (:func:`cpu_kernels` returns them
+for float32 layers on CPU, or ``None``); the rest of this page is about Triton.
 
 :func:`enabled` says whether layers built for ``device`` use them: CUDA, Triton
 importable, and ``MINISGL_DISABLE_TRITON`` unset (for ablations). It is read
@@ -27,6 +30,16 @@ def enabled(device: torch.device | str | None) -> bool:
     if os.environ.get("MINISGL_DISABLE_TRITON", "") not in ("", "0", "false", "False"):
         return False
     return importlib.util.find_spec("triton") is not None
+
+
+def cpu_kernels(device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
+    """The native CPU kernels for a float32 layer on CPU (a :class:`~minisgl.kernel.cpu.CpuKernels`),
+    else ``None``: other devices and dtypes, ``MINISGL_DISABLE_CPU_KERNELS``, or no C compiler."""
+    if torch.device(device or "cpu").type != "cpu" or (dtype or torch.get_default_dtype()) != torch.float32:
+        return None
+    from .cpu import load_cpu_kernels
+
+    return load_cpu_kernels()
 
 
 def rmsnorm_kernel() -> Callable[..., Any]:

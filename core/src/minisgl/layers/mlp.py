@@ -41,9 +41,13 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, comm=comm, dtype=dtype, device=device)
         self.act = activation(act)
         self._fused = kernel.silu_mul_kernel() if act == "silu" and kernel.enabled(device) else None
+        self._cpu = kernel.cpu_kernels(device, dtype) if act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:  # one Triton kernel on CUDA (see minisgl.kernel)
             return self.down_proj(self._fused(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self._cpu is not None and gate_up.dim() == 2 and gate_up.dtype == torch.float32:  # one C kernel
+            return self.down_proj(self._cpu.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

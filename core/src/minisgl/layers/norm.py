@@ -16,8 +16,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         set_loader(self.weight, default_loader)
-        # On CUDA one Triton kernel replaces the chain of elementwise ops (see minisgl.kernel).
+        # On CUDA one Triton kernel replaces the chain of elementwise ops, on CPU one C kernel
+        # (see minisgl.kernel).
         self._fused = kernel.rmsnorm_kernel() if kernel.enabled(device) else None
+        self._cpu = kernel.cpu_kernels(device, self.weight.dtype)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -28,9 +30,14 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def _cpu_ok(self, x: torch.Tensor) -> bool:
+        return self._cpu is not None and x.dim() == 2 and x.dtype == torch.float32 and 1 in x.stride()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             return self._fused(x, self.weight, self.eps)
+        if self._cpu_ok(x):
+            return self._cpu.rmsnorm(x, self.weight, self.eps)[0]
         return self._norm(x)
 
     def forward_with_residual(
@@ -41,6 +48,9 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return self._fused(x, self.weight, self.eps), x
             return self._fused(x, self.weight, self.eps, residual)
+        if self._cpu_ok(x) and (residual is None or residual.shape == x.shape):
+            out, summed = self._cpu.rmsnorm(x, self.weight, self.eps, residual)
+            return out, x if summed is None else summed
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -55,6 +55,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         # On CUDA one Triton kernel rotates q and k (normalising them first for Qwen3's q/k norm).
         self._fused = kernel.qk_norm_rope_kernel() if kernel.enabled(device) else None
+        # On CPU (float32) one C kernel does the same and writes q and k contiguous.
+        self._cpu = kernel.cpu_kernels(device, torch.float32)
         # Elsewhere every layer rotates by the same positions: the factors are looked up once per
         # forward pass, keyed on that positions tensor (and its version, so in-place edits miss).
         self._factors: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
@@ -75,6 +77,10 @@ class RotaryEmbedding(nn.Module):
                 return self._fused(q, k, self.cos_sin, positions)
             q_norm, k_norm = qk_norm
             return self._fused(q, k, self.cos_sin, positions, q_norm.weight, k_norm.weight, q_norm.eps)
+        if self._cpu is not None and q.dtype == k.dtype == torch.float32 and _one_element_stride(q, k):
+            norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            if norms is None or norms[0].dtype == norms[1].dtype == torch.float32:
+                return self._cpu.rope(q, k, positions, self.cos_sin, norms)
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
         cos, sin = self._rotation_factors(positions)
@@ -89,6 +95,12 @@ class RotaryEmbedding(nn.Module):
         cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
         self._factors = (positions, positions._version, cos2, sin2)
         return cos2, sin2
+
+
+def _one_element_stride(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q and k are ``[T, heads, head_dim]`` views of one matrix (what the C kernel reads)."""
+    step = q.stride(2)
+    return k.stride(2) == step and q.stride(1) == q.shape[2] * step and k.stride(1) == k.shape[2] * step
 
 
 def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
