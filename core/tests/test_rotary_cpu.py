@@ -1,7 +1,9 @@
-"""The CPU rope path: rotation factors reused across layers, layouts the attention kernels need."""
+"""The CPU rope paths (PyTorch, and the native kernel where it builds): rotation factors reused across
+layers, layouts the attention kernels need."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minisgl.layers.rotary import RotaryEmbedding
@@ -17,8 +19,18 @@ def _reference(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) 
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def test_rope_matches_reference_and_reuses_factors_only_for_unchanged_positions() -> None:
+def _rope(path: str) -> RotaryEmbedding:
     rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    if path == "torch":
+        rope._cpu = None
+    elif rope._cpu is None:
+        pytest.skip("the native CPU kernels are unavailable here")
+    return rope
+
+
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_rope_matches_reference_and_reuses_factors_only_for_unchanged_positions(path: str) -> None:
+    rope = _rope(path)
     gen = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 5, 77, 300])
     q, k = torch.randn(4, 9, 64, generator=gen), torch.randn(4, 3, 64, generator=gen)
@@ -31,9 +43,10 @@ def test_rope_matches_reference_and_reuses_factors_only_for_unchanged_positions(
     torch.testing.assert_close(got_q.double(), _reference(q, positions), atol=1e-4, rtol=1e-4)
 
 
-def test_rope_output_has_contiguous_head_dim_for_column_major_input() -> None:
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_rope_output_has_contiguous_head_dim_for_column_major_input(path: str) -> None:
     """A weight-major GEMM leaves q/k column-major; SDPA on CPU needs head_dim contiguous for its fast kernel."""
-    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    rope = _rope(path)
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(12 * 64, 4, generator=gen).t()  # [4 tokens, 12 heads * 64], column-major
     q, k = qkv[:, : 9 * 64].reshape(4, 9, 64), qkv[:, 9 * 64 :].reshape(4, 3, 64)

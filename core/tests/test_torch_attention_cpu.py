@@ -166,3 +166,33 @@ def test_per_request_prefill_equals_padded_prefill(page_size: int, hq: int, hkv:
         last = torch.tensor(list(itertools.accumulate(n_ - c for n_, c in zip(lengths, cached, strict=True)))) - 1
         want_last = _reference(q[last], ctx, batch, layer)
         torch.testing.assert_close(got[last].double(), want_last, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
+def test_native_decode_equals_padded_decode(page_size: int, hq: int, hkv: int) -> None:
+    from minisgl.kernel import cpu
+
+    lengths = [37, 1, 16, 17, 130, 5, 64, 129, 33, 130]
+    ctx, batch, gen = _decode_setup(page_size, hq, hkv, lengths, seed=page_size * hq)
+    native = TorchAttnBackend(ctx)
+    if cpu.load_cpu_kernels() is None:
+        assert native.native is None
+        pytest.skip("the native CPU kernels are unavailable here")
+    assert native.native is not None, "float32 on CPU decodes with the native kernel by default"
+    padded = TorchAttnBackend(ctx, grouped_decode=False, native_decode=False)
+    native_batch = Batch(**{**batch.__dict__, "attn_metadata": None})
+    native.prepare_metadata(native_batch)
+    padded.prepare_metadata(batch)
+    assert isinstance(native_batch.attn_metadata, torch_backend.NativeDecodeMetadata)
+    for layer, q, got in _against_padded(native, native_batch, padded, batch, len(lengths), gen):
+        torch.testing.assert_close(got.double(), _reference(q, ctx, batch, layer), atol=1e-5, rtol=1e-5)
+
+
+def test_native_decode_needs_float32_on_cpu() -> None:
+    ctx, _, _ = _decode_setup(16, 4, 2, [20, 3], seed=0)
+    layout = KVLayout(2, 8, 16, 2, 64, torch.float64, torch.device("cpu"))
+    ctx64 = AttentionContext(4, 2, 64, 16, MHAKVPool(layout), ctx.page_table, 2, 64, torch.float64, layout.device)
+    assert TorchAttnBackend(ctx64).native is None
+    with pytest.raises(ValueError, match="native_decode needs CPU float32"):
+        TorchAttnBackend(ctx64, native_decode=True)
