@@ -113,6 +113,42 @@ def test_decode_attention_rejects_what_it_cannot_read(kernels) -> None:
         kernels.decode_attention(q.transpose(1, 2), kc, vc, table, rows, lens, 0.25)
 
 
+# ------------------------------------------------------------------ GEMM
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 20])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (7, 13), (50, 577), (3, 8)])  # tails in n (3-row tiles) and k (8)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(kernels, m: int, n: int, k: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    x_wide = torch.randn(m, k + 5, generator=gen)
+    x = x_wide[:, 2 : k + 2]  # rows contiguous, row stride larger than k
+    weight = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = kernels.linear(x, weight, b)
+    assert got.shape == (m, n) and got.is_contiguous()
+    want = (x.double() @ weight.double().t() + (b.double() if b is not None else 0)).float()
+    torch.testing.assert_close(got, want, atol=1e-5 * k**0.5, rtol=1e-5)
+
+
+def test_layers_use_the_kernel_gemm_only_for_few_rows(kernels, monkeypatch) -> None:
+    from minisgl.layers import linear as linear_module
+
+    calls: list[int] = []
+    real = cpu.CpuKernels.linear
+
+    def spy(self, x, weight, bias=None):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return real(self, x, weight, bias)
+
+    monkeypatch.setattr(cpu.CpuKernels, "linear", spy)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=gen)
+    for rows in (1, kernels.GEMM_MAX_ROWS, kernels.GEMM_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 24, generator=gen)
+        got = linear_module.linear(x, weight, None, kernels)
+        torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert calls == [1, kernels.GEMM_MAX_ROWS]
+
+
 # ------------------------------------------------------------------ elementwise kernels
 @pytest.mark.parametrize("m", [1, 5, 32, 300])
 @pytest.mark.parametrize("n", [37, 576])

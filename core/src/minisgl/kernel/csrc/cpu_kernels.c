@@ -30,6 +30,76 @@ static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[
 
 int minisgl_abi_version(void) { return 1; }
 
+/* ------------------------------------------------------------------ GEMM
+ * Y[m, n] = sum_k X[m, k] * W[n, k] (+ bias[n]) for the few rows of a decode batch:
+ * Y = X W^T with W in its stored [N, K] layout, X and Y row-major.
+ *
+ * Both operands are read along k. A tile of 3 rows of W and 4 rows of X keeps 12
+ * vector accumulators, 3 W vectors and 1 X vector in the 16 AVX registers, and sums
+ * each accumulator across its lanes once at the end. Threads take disjoint runs of W
+ * rows, so W (the bulk of the bytes at few rows) streams from memory once per call.
+ * With few rows this runs at memory speed, where MKL's small-M GEMM on 2 threads
+ * reaches about half of it; from ~24 rows on MKL is as fast and the caller uses it.
+ */
+#define GEMM_NR 3
+#define GEMM_MR 4
+
+static inline __attribute__((always_inline)) void gemm_tile(int nr, int mr, int64_t K, const float *W, int64_t ldw,
+                                                           const float *X, int64_t ldx, float *Y, int64_t ldy,
+                                                           const float *bias) {
+    v8f acc[GEMM_NR][GEMM_MR];
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < mr; j++) acc[i][j] = splat8(0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8f w[GEMM_NR], x[GEMM_MR];
+        for (int i = 0; i < nr; i++) w[i] = load8(W + i * ldw + k);
+        for (int j = 0; j < mr; j++) x[j] = load8(X + j * ldx + k);
+        for (int j = 0; j < mr; j++)
+            for (int i = 0; i < nr; i++) acc[i][j] += w[i] * x[j];
+    }
+    for (int j = 0; j < mr; j++)
+        for (int i = 0; i < nr; i++) {
+            float s = hsum8(acc[i][j]);
+            for (int64_t t = k; t < K; t++) s += W[i * ldw + t] * X[j * ldx + t];
+            Y[j * ldy + i] = bias ? s + bias[i] : s;
+        }
+}
+
+typedef void (*gemm_tile_fn)(int64_t, const float *, int64_t, const float *, int64_t, float *, int64_t,
+                             const float *);
+
+#define GEMM_TILE_FN(NR, MR)                                                                                 \
+    static void gemm_tile_##NR##_##MR(int64_t K, const float *W, int64_t ldw, const float *X, int64_t ldx, \
+                                      float *Y, int64_t ldy, const float *bias) {                            \
+        gemm_tile(NR, MR, K, W, ldw, X, ldx, Y, ldy, bias);                                                  \
+    }
+GEMM_TILE_FN(3, 1)
+GEMM_TILE_FN(3, 2)
+GEMM_TILE_FN(3, 3)
+GEMM_TILE_FN(3, 4)
+GEMM_TILE_FN(1, 1)
+GEMM_TILE_FN(1, 2)
+GEMM_TILE_FN(1, 3)
+GEMM_TILE_FN(1, 4)
+
+void minisgl_gemm_nt(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W, int64_t ldw,
+                     const float *bias, float *Y, int64_t ldy, int nthreads) {
+    static const gemm_tile_fn tiles3[GEMM_MR + 1] = {0, gemm_tile_3_1, gemm_tile_3_2, gemm_tile_3_3, gemm_tile_3_4};
+    static const gemm_tile_fn tiles1[GEMM_MR + 1] = {0, gemm_tile_1_1, gemm_tile_1_2, gemm_tile_1_3, gemm_tile_1_4};
+    const int64_t full = N / GEMM_NR, items = full + (N % GEMM_NR); /* 3-row tiles, then single rows */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int single = item >= full;
+        const int64_t n = single ? full * GEMM_NR + (item - full) : item * GEMM_NR;
+        const gemm_tile_fn *tiles = single ? tiles1 : tiles3;
+        for (int64_t m = 0; m < M; m += GEMM_MR) {
+            const int64_t mr = M - m < GEMM_MR ? M - m : GEMM_MR;
+            tiles[mr](K, W + n * ldw, ldw, X + m * ldx, ldx, Y + m * ldy + n, ldy, bias ? bias + n : 0);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ exp
  * exp(x) for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r with
  * |r| <= ln2 / 2, e^r by its Taylor series to r^7 (truncation error below 1e-8,
