@@ -2,7 +2,11 @@
 
 PyTorch's CPU operators cover what the engine needs, but not everything at a good
 speed: decode attention over a paged KV pool has to gather every request's K/V into
-a padded copy first. These kernels read the pool in place.
+a padded copy first, MKL's GEMM with a decode batch's few rows reaches about half of
+memory bandwidth, and chains of small elementwise ops cost more in dispatch than in
+arithmetic. These kernels do those steps directly: decode attention reading the pool
+in place, a few-row GEMM, RMSNorm (+ residual), SiLU x up, rope (+ q/k norm), the KV
+store and argmax (see docs/design.md, "CPU kernels").
 
 :func:`load_cpu_kernels` compiles ``csrc/cpu_kernels.c`` with the system's C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``) for this machine's CPU (``-march=native``)
@@ -123,6 +127,8 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        if not any(target.parent.iterdir()):
+            target.parent.rmdir()
     raise CpuKernelBuildError("could not build the CPU kernels:\n" + "\n".join(errors))
 
 
