@@ -14,11 +14,13 @@ from minisgl.kernel import cpu
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.testing.models import random_prompts
 
-pytestmark = pytest.mark.skipif(cpu.find_compiler() is None, reason="no C compiler on this machine")
+needs_compiler = pytest.mark.skipif(cpu.find_compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture(scope="module")
 def kernels() -> cpu.CpuKernels:
+    if cpu.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
     if cpu.disabled():
         pytest.skip(f"{cpu.DISABLE_ENV} is set")
     k = cpu.load_cpu_kernels()
@@ -241,6 +243,7 @@ def test_argmax_is_torch_argmax(kernels, m: int, n: int, layout: str) -> None:
 
 
 # ------------------------------------------------------------------ build, cache, fallback
+@needs_compiler
 def test_build_is_cached_per_source_and_compiler(tmp_path) -> None:
     first = cpu.build(out_dir=tmp_path)
     stamp = first.stat().st_mtime_ns
@@ -248,7 +251,10 @@ def test_build_is_cached_per_source_and_compiler(tmp_path) -> None:
     assert [p.name for p in first.parent.iterdir()] == [first.name], "no temporary files left behind"
 
 
-def test_a_compiler_that_fails_is_reported(tmp_path) -> None:
+def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(cpu.CpuKernelBuildError, match="no C compiler found"):
+        cpu.build(out_dir=tmp_path)
     with pytest.raises(cpu.CpuKernelBuildError, match="could not build"):
         cpu.build(cc="false", out_dir=tmp_path)
     assert not any(tmp_path.iterdir()), "a failed build leaves nothing behind"
@@ -277,6 +283,7 @@ def _greedy(tiny_dir, registry, prompts, **kwargs) -> tuple[list[list[int]], boo
         return [o.token_ids for o in out], llm.engine.attn.native is not None
 
 
+@needs_compiler
 def test_model_with_kernels_equals_model_without(tiny_dir, registry, monkeypatch) -> None:
     prompts = random_prompts([3, 40, 17, 90], 512, seed=5)
     with_kernels, native = _greedy(tiny_dir, registry, prompts)
