@@ -34,9 +34,9 @@ int minisgl_abi_version(void) { return 1; }
  * Y[m, n] = sum_k X[m, k] * W[n, k] (+ bias[n]) for the few rows of a decode batch:
  * Y = X W^T with W in its stored [N, K] layout, X and Y row-major.
  *
- * Both operands are read along k. A tile of 3 rows of W and 4 rows of X keeps 12
- * vector accumulators, 3 W vectors and 1 X vector in the 16 AVX registers, and sums
- * each accumulator across its lanes once at the end. Threads take disjoint runs of W
+ * Both operands are read along k. A tile of 3 rows of W and 4 rows of X keeps its 12
+ * vector accumulators in registers (7 loads feed 12 multiply-adds per step of 8 along
+ * k) and sums each across its lanes once at the end. Threads take disjoint runs of W
  * rows, so W (the bulk of the bytes at few rows) streams from memory once per call.
  * With few rows this runs at memory speed, where MKL's small-M GEMM on 2 threads
  * reaches about half of it; from ~24 rows on MKL is as fast and the caller uses it.
