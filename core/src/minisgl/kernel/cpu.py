@@ -41,11 +41,21 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 ABI_VERSION = 1
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
-# Up to this many rows CpuKernels.linear beats MKL's GEMM (2 threads, AMD EPYC, the layer shapes
-# of a 135M model: 1.1-1.9x at 1-12 rows, even at 24, slower at 32); above it MKL is used.
-GEMM_MAX_ROWS = 20
+# argtypes and restype of each exported function (see csrc/cpu_kernels.c).
+_SIGNATURES = {
+    "minisgl_decode_attention": (
+        [_I64] * 4 + [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _F32, _PTR, _I64, _INT],
+        _INT,
+    ),
+    "minisgl_rmsnorm": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _INT], None),
+    "minisgl_silu_mul": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _INT], None),
+    "minisgl_rope": ([_I64] * 4 + [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _INT], None),
+    "minisgl_store_kv": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR], None),
+    "minisgl_argmax_rows": ([_I64, _I64, _PTR, _I64, _I64, _PTR, _INT], None),
+    "minisgl_gemm_nt": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT], None),
+}
 
 
 class CpuKernelBuildError(RuntimeError):
@@ -101,10 +111,11 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     if cc is None:
         raise CpuKernelBuildError("no C compiler found (set $CC, or install gcc or clang)")
     source = SOURCE.read_bytes()
+    machine = "\0".join([cc, _compiler_version(cc), _cpu_signature()])
     errors = []
     for extra in (("-fopenmp",), ()):
         flags = (*BASE_FLAGS, *extra)
-        text = "\0".join([cc, _compiler_version(cc), " ".join(flags), _cpu_signature()])
+        text = machine + "\0" + " ".join(flags)
         key = hashlib.sha256(source + b"\0" + text.encode()).hexdigest()[:16]
         target = (out_dir or cache_root() / "cpu-kernels") / key / "libminisgl_cpu.so"
         if target.exists():
@@ -138,7 +149,9 @@ class CpuKernels:
 
     path: Path
     lib: ctypes.CDLL
-    GEMM_MAX_ROWS: ClassVar[int] = GEMM_MAX_ROWS
+    # Up to this many rows `linear` beats MKL's GEMM (2 threads, AMD EPYC, the layer shapes of a
+    # 135M model: 1.1-1.9x at 1-12 rows, even at 24, slower at 32); above it callers use MKL.
+    GEMM_MAX_ROWS: ClassVar[int] = 20
 
     @classmethod
     def open(cls, path: Path) -> CpuKernels:
@@ -146,28 +159,14 @@ class CpuKernels:
         lib.minisgl_abi_version.restype = ctypes.c_int
         if lib.minisgl_abi_version() != ABI_VERSION:
             raise CpuKernelBuildError(f"{path} is a build of another version of the kernels")
-        fn = lib.minisgl_decode_attention
-        fn.argtypes = [_I64] * 4 + [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
-        fn.argtypes += [ctypes.c_float, _PTR, _I64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        signatures = {
-            "minisgl_rmsnorm": [_I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, ctypes.c_int],
-            "minisgl_silu_mul": [_I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int],
-            "minisgl_rope": [_I64] * 4
-            + [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float]
-            + [_PTR, _PTR, ctypes.c_int],
-            "minisgl_store_kv": [_I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR],
-            "minisgl_argmax_rows": [_I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int],
-            "minisgl_gemm_nt": [_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int],
-        }
-        for name, argtypes in signatures.items():
+        for name, (argtypes, restype) in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = restype
         return cls(path, lib)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for ``x`` ``[M, K]`` (rows contiguous) and ``weight`` ``[N, K]``
-        (rows contiguous) -> ``[M, N]`` row-major. Meant for few rows (see :data:`GEMM_MAX_ROWS`)."""
+        (rows contiguous) -> ``[M, N]`` row-major. Meant for few rows (see ``GEMM_MAX_ROWS``)."""
         m, k = x.shape
         n = weight.shape[0]
         if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
