@@ -10,6 +10,7 @@ be close. Skipped without CUDA (and the flashinfer ones without flashinfer).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +77,18 @@ class Reference:
 
 
 def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
-    """Logits at every position of each sequence, concatenated (one prefill batch)."""
+    """Logits at every position of each sequence, concatenated (one prefill batch): row ``k`` of
+    sequence ``i`` is at ``sum(len(s) for s in seqs[:i]) + k``.
+
+    The prefix cache is emptied first: a prefix it served would not be computed, and the batch
+    would return rows only for the rest (a radix cache holds every prompt ``llm`` generated from).
+    """
     sched = llm.scheduler
+    llm.engine.kv.reset_cache()
     reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
     for r in reqs:
         assert llm.engine.kv.try_admit(r)
+        assert r.cached_len == 0, f"the prefix cache served {r.cached_len} tokens of a {r.prompt_len}-token sequence"
         r.device_len = r.prompt_len
     batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
     sched._prepare(batch)
@@ -88,7 +96,17 @@ def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
     for r in reqs:
         sched.waiting.remove(r)
         llm.engine.kv.release(r)
+    positions = sum(len(s) for s in seqs)
+    assert logits.shape[0] == positions, f"{logits.shape[0]} rows of logits for {positions} positions"
     return logits
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, checked on the host first: an out-of-range index on a GPU is a device-side
+    assert that poisons the CUDA context for every later test of the process, not just a failure."""
+    bad = [r for r in rows if not 0 <= r < logits.shape[0]]
+    assert not bad, f"rows {bad} out of range for {logits.shape[0]} rows of logits"
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 def _check_divergences(ref: Reference, tokens: list[list[int]], label: str) -> None:
@@ -102,8 +120,8 @@ def _check_divergences(ref: Reference, tokens: list[list[int]], label: str) -> N
         return
     seqs = [ref.prompts[i] + ref.tokens[i][:j] for i, j, _ in diverged]
     logits = _logits(ref.llm, seqs)
-    ends = torch.tensor([len(q) for q in seqs]).cumsum(0) - 1
-    for (i, j, tok), row in zip(diverged, logits[ends.to(logits.device)], strict=True):
+    ends = list(itertools.accumulate(len(q) for q in seqs))
+    for (i, j, tok), row in zip(diverged, _rows(logits, [e - 1 for e in ends]), strict=True):
         margin = float(row[ref.tokens[i][j]] - row[tok])
         assert margin <= TIE * float(row.std()), (
             f"{label}: sequence {i} diverges at token {j} where the reference prefers its token by {margin:.4f} "
@@ -164,6 +182,7 @@ def test_teacher_forced_logits_close_to_torch(model_dir: Path, reference: Refere
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer", cuda_graph_max_bs=0)
     got = _logits(llm, seqs)
     llm.close()
+    assert got.shape == ref.shape, f"flashinfer scored {tuple(got.shape)}, torch {tuple(ref.shape)}"
     assert not torch.isnan(got).any()
     rel = float((got - ref).norm() / ref.norm())
     assert rel < 2e-2, f"relative logits error {rel:.2e}"
