@@ -148,9 +148,11 @@ class PluginRegistry:
         """Resolve ``name`` for ``device``; ``"auto"`` picks the supported spec with the highest priority."""
         if name != "auto":
             spec = self.get(kind, name)
-            if not spec.supports(device):
+            reason = spec.unsupported_reason(device)
+            if reason is not None:
+                why = f" ({reason})" if reason else ""
                 raise UnknownComponentError(
-                    f"{spec.label} does not support device '{device}'; "
+                    f"{spec.label} does not support device '{device}'{why}; "
                     f"{KIND_LABELS[kind]}s that do: {', '.join(self.supported(kind, device)) or 'none'}"
                 )
             return spec

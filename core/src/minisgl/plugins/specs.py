@@ -64,6 +64,15 @@ def _check_ref(owner: str, field_name: str, value: object) -> None:
         raise TypeError(f"{owner}.{field_name} must be {expected}, got {value!r}")
 
 
+class Unsupported(Exception):
+    """Raised by an ``is_supported`` check: the component cannot run on that device, and why.
+
+    The message is shown to users as is (``--attn NAME`` fails with it), so say what
+    is missing and what to do: ``"needs compute capability 10.0 or 10.3 (this GPU is
+    9.0); on Hopper use --attn flashinfer"``.
+    """
+
+
 @dataclass(frozen=True)
 class ComponentSpec:
     """Fields shared by every spec.
@@ -80,8 +89,12 @@ class ComponentSpec:
         ``auto`` picks the supported component with the highest priority (ties by name).
     ``is_supported``
         ``None`` (runs everywhere), or a callable / lazy reference taking the
-        device type (``"cpu"`` or ``"cuda"``) and returning a bool. It may import
-        heavy libraries: it runs only when a component is picked, never at listing.
+        device type (``"cpu"`` or ``"cuda"``) and returning a bool. To say *why* a
+        component cannot run (a GPU too old, a missing library), raise
+        :class:`Unsupported` with the reason instead of returning ``False``: naming
+        the component then fails with that reason, and ``minisgl plugins --device``
+        shows it. It may import heavy libraries: it runs only when a component is
+        picked (or listed with ``--device``).
     ``override``
         Replace a component of the same name from another plugin (with a warning).
     ``description``
@@ -144,11 +157,21 @@ class ComponentSpec:
 
     def supports(self, device: str) -> bool:
         """Whether this component can run on ``device`` (a device type, ``"cpu"`` or ``"cuda"``)."""
+        return self.unsupported_reason(device) is None
+
+    def unsupported_reason(self, device: str) -> str | None:
+        """``None`` when this component runs on ``device``; otherwise why not.
+
+        The reason is the message of the :class:`Unsupported` the check raised, or
+        ``""`` when it just returned ``False``.
+        """
         if self.is_supported is None:
-            return True
+            return None
         device_type = device.split(":", 1)[0]
         try:
-            return bool(resolve(self.is_supported)(device_type))
+            ok = resolve(self.is_supported)(device_type)
+        except Unsupported as exc:
+            return str(exc)
         except Exception as exc:  # a broken check means "not supported", never a crash at start-up
             logger.warning(
                 "is_supported check of %s failed (%s: %s); treating it as unsupported",
@@ -156,7 +179,8 @@ class ComponentSpec:
                 type(exc).__name__,
                 exc,
             )
-            return False
+            return f"its is_supported check failed ({type(exc).__name__}: {exc})"
+        return None if ok else ""
 
 
 @dataclass(frozen=True)
