@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from ..core import SamplingParams, ValidationError
 from ..message import GenerateReq
 from .client import EngineClient, ServerGone
+from .limits import RequestGuard, RequestLimits
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
@@ -116,6 +116,9 @@ def create_app(
     app.state.client = client
     app.state.metrics = metrics
     created = int(time.time())
+    # The key and the body size are checked before any route parses the body (also guards /docs).
+    limits = RequestLimits.of(settings)
+    app.add_middleware(RequestGuard, limits=limits)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -138,15 +141,6 @@ def create_app(
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-
-    async def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            what = "missing" if not header else "incorrect"
-            raise APIError(401, f"{what} API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -171,22 +165,24 @@ def create_app(
         except ClientGone:
             return Response(status_code=499)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        limits.check_choices(body.n)
         messages = [m.plain() for m in body.messages]
         params: list[SamplingParams] = [body.params(i) for i in range(body.n)]
         jobs = [Job(GenerateReq(client.new_rid(), p.to_dict(), messages=messages), i, 0) for i, p in enumerate(params)]
         shape = ResponseShape(True, model_name, body.logprobs, body.include_usage)
         return await respond(request, jobs, shape, body.stream, "messages")
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if body.echo:
             raise APIError(400, "echo: echoing the prompt is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix: suffixes are not supported", param="suffix")
+        limits.check_choices(body.n, len(body.prompts()))
         jobs = []
         for pi, prompt in enumerate(body.prompts()):
             for i in range(body.n):
@@ -201,7 +197,7 @@ def create_app(
         shape = ResponseShape(False, model_name, body.logprobs is not None, body.include_usage)
         return await respond(request, jobs, shape, body.stream, "prompt")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {
             "id": model_name,

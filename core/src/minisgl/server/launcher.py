@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -57,7 +58,7 @@ class Launcher:
     def __init__(self, settings: ServeSettings, plugins: list[str]):
         self.settings = settings
         self.plugins = plugins
-        self.socket_dir = tempfile.mkdtemp(prefix="minisgl-")
+        self.socket_dir = make_socket_dir()
         self.addresses = {
             name: f"ipc://{os.path.join(self.socket_dir, name)}.sock"
             for name in ("api", "tokenizer", "detokenizer", "scheduler", "status")
@@ -148,6 +149,50 @@ class Launcher:
                 w.process.join(2.0)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def make_socket_dir() -> str:
+    """A new private directory for this server's IPC sockets; first removes those of servers that are gone.
+
+    A server killed with SIGKILL cannot remove its directory, so each one holds a ``pid`` file: the
+    pid and start time of the server that made it. A directory whose server no longer runs (no such
+    process, a zombie, or the pid now belongs to a process started at another time) is removed.
+    Directories of running servers, of other users, or without a ``pid`` file are left alone.
+    """
+
+    def identity(pid: int) -> str | None:
+        """``"PID START"`` of a running process, or None when there is none (or only a zombie)."""
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            if sys.platform.startswith("linux"):
+                return None
+            try:  # no /proc: the pid alone
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return None
+            except PermissionError:
+                pass
+            return f"{pid} ?"
+        return None if fields[0] in "ZX" else f"{pid} {fields[19]}"
+
+    for old in Path(tempfile.gettempdir()).glob("minisgl-*"):
+        try:
+            if old.stat().st_uid != os.getuid() or not old.is_dir():
+                continue
+            recorded = (old / "pid").read_text().strip()
+        except OSError:
+            continue
+        pid, _, start = recorded.partition(" ")
+        if not pid.isdigit():
+            continue
+        current = identity(int(pid))
+        if current is None or (start != "?" and current != f"{pid} {start}"):
+            logger.info("removing %s, left behind by server process %s (no longer running)", old, pid)
+            shutil.rmtree(old, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix="minisgl-")
+    Path(path, "pid").write_text((identity(os.getpid()) or f"{os.getpid()} ?") + "\n")
+    return path
 
 
 def check_port(host: str, port: int) -> str | None:

@@ -1,8 +1,12 @@
 """OpenAI request bodies, validated with pydantic; conversion to sampling parameters.
 
 Range checks live here so that a bad value is a 400 naming its field before
-anything reaches a worker. Unknown fields are ignored, as OpenAI-compatible
-servers usually do, so clients that send extra options keep working.
+anything reaches a worker. Types are strict, as OpenAI's are: ``"4"`` is not an
+integer and ``"yes"`` is not a boolean (an integer is accepted for a float).
+Every string must be valid Unicode: JSON's ``\\ud800`` escape can smuggle in a
+lone surrogate, which no tokenizer or encoder downstream can handle. Unknown
+fields are ignored, as OpenAI-compatible servers usually do, so clients that
+send extra options keep working.
 """
 
 from __future__ import annotations
@@ -14,10 +18,60 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..core import SamplingParams
 
 _INT32 = 2**31 - 1  # bounds keep every value msgpack- and tensor-friendly
+# OpenAI accepts at most 4 stop strings. Their length is bounded too: the detokenizer checks, for
+# every new token, whether the output ends with the start of a stop string, which costs time
+# quadratic in a stop string's length.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 128
+# The most choices per prompt any server accepts (OpenAI's limit); --max-n sets this server's own.
+MAX_N = 128
+
+
+def surrogate_problem(value: Any) -> str | None:
+    """Why ``value`` (a string, a list of strings or of content parts, a model) is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            char = f"U+{ord(value[exc.start]):04X}"
+            return (
+                f"the string holds an unpaired surrogate ({char}) at character {exc.start}; text must be valid "
+                "Unicode (a character outside the Basic Multilingual Plane is sent as a surrogate pair or as UTF-8)"
+            )
+        return None
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            problem = surrogate_problem(getattr(value, name))
+            if problem is not None:
+                return f"{name}: {problem}"
+        return None
+    # Lists are homogeneous here (strings, token ids or content parts): lists of ids need no walk.
+    if isinstance(value, list) and value and isinstance(value[0], (str, BaseModel)):
+        for i, item in enumerate(value):
+            problem = surrogate_problem(item)
+            if problem is not None:
+                return f"item {i}: {problem}"
+    return None
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+
+class _Checked(_Body):
+    """A body whose every string must be valid Unicode.
+
+    Models nested in a union (content parts) are checked by the field holding them: an error
+    raised inside would be reported as the union's first alternative (a string) not matching.
+    """
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, v: Any) -> Any:
+        problem = surrogate_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 class StreamOptions(_Body):
@@ -29,7 +83,7 @@ class ContentPart(_Body):
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -52,7 +106,7 @@ class ChatMessage(_Body):
         return out
 
 
-class _Sampling(_Body):
+class _Sampling(_Checked):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -67,7 +121,7 @@ class _Sampling(_Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -80,8 +134,11 @@ class _Sampling(_Body):
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
-        if len(items) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+        long = next((s for s in items if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters, got one of {len(long)}")
         return v
 
     @field_validator("stop_token_ids")

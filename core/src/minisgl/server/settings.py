@@ -24,7 +24,8 @@ FLAG_ALIASES = {"attn": ["--attention-backend"], "cache": ["--prefix-cache"]}
 # Flags whose name differs from the field name.
 FLAG_NAMES = {"hf_config_path": "--model-config"}
 SERVER_ONLY = {
-    "host", "port", "api_key", "served_model_name", "shell", "log_level", "shutdown_timeout", "health_timeout"
+    "host", "port", "api_key", "served_model_name", "shell", "log_level", "shutdown_timeout", "health_timeout",
+    "max_request_bytes", "max_prompts", "max_n",
 }  # fmt: skip
 
 
@@ -76,6 +77,12 @@ class ServeSettings(BaseSettings):
     shell: bool = Field(False, description="chat in this terminal instead of serving HTTP")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
     shutdown_timeout: float = Field(5.0, ge=0, description="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    # request limits (see minisgl.server.limits)
+    max_request_bytes: int = Field(
+        2 * 2**20, ge=1024, description="largest request body in bytes; a larger one is refused (413) unread"
+    )
+    max_prompts: int = Field(32, ge=1, description="most prompts in one /v1/completions request")
+    max_n: int = Field(16, ge=1, le=128, description="most choices (n) per prompt")
 
     def engine_fields(self) -> dict[str, Any]:
         """The :class:`~minisgl.config.EngineConfig` keyword arguments these settings describe."""
