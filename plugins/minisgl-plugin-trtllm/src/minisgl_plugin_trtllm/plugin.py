@@ -1,0 +1,41 @@
+"""Entry module: declares the two backends; FlashInfer is imported only by their factories.
+
+``trtllm``
+    TensorRT-LLM-gen kernels for prefill and decode (compute capability 10.0/10.3).
+``trtllm-xqa`` (alias ``xqa``)
+    TensorRT-LLM's XQA kernel for decode (Hopper and Blackwell); prefill batches go
+    to the core's ``torch`` reference, so pair it with a prefill backend:
+    ``--attn flashinfer,trtllm-xqa``.
+
+Their ``is_supported`` checks (``minisgl_plugin_trtllm.support``) say why a GPU
+cannot run them, and use no torch and no CUDA context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minisgl.plugins import AttentionBackendSpec, hookimpl
+
+
+@hookimpl
+def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
+    return [
+        AttentionBackendSpec(
+            name="trtllm",
+            factory="minisgl_plugin_trtllm.backend:build_trtllm_gen",
+            # Below flashinfer (10): not yet run on Blackwell hardware, so 'auto' prefers flashinfer.
+            priority=5,
+            is_supported="minisgl_plugin_trtllm.support:trtllm_gen_supported",
+            description="TensorRT-LLM-gen paged prefill and decode via FlashInfer (compute capability 10.0/10.3)",
+        ),
+        AttentionBackendSpec(
+            name="trtllm-xqa",
+            factory="minisgl_plugin_trtllm.backend:build_xqa",
+            aliases=("xqa",),
+            priority=4,
+            is_supported="minisgl_plugin_trtllm.support:xqa_supported",
+            description="TensorRT-LLM XQA paged decode via FlashInfer (Hopper/Blackwell); prefill via torch "
+            "unless paired, e.g. --attn flashinfer,trtllm-xqa",
+        ),
+    ]

@@ -1,0 +1,161 @@
+"""Registration and device support of the trtllm backends: runs on any machine, GPU or not.
+
+The GPU generation is faked by replacing ``support.visible_compute_capabilities``
+(and whether FlashInfer is installed), so every answer for Hopper, Blackwell and
+older GPUs is checked here, including how ``minisgl plugins`` and ``minisgl serve``
+report it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minisgl.plugins import UnknownComponentError, load_plugins
+from minisgl.plugins.listing import render_table, to_json
+from minisgl.plugins.specs import Unsupported
+from minisgl_plugin_trtllm import support
+
+HOPPER, B200, B300, RTX5090, A100 = (9, 0), (10, 0), (10, 3), (12, 0), (8, 0)
+
+
+@pytest.fixture
+def gpus(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The faked visible GPUs (edit the list in the test); FlashInfer counts as installed."""
+    caps: list[tuple[int, int]] = []
+    monkeypatch.setattr(support, "visible_compute_capabilities", lambda: list(caps))
+    monkeypatch.setattr(support, "flashinfer_installed", lambda: True)
+    return caps
+
+
+def test_both_backends_are_registered() -> None:
+    reg = load_plugins()
+    gen, xqa = reg.get("attention", "trtllm"), reg.get("attention", "trtllm-xqa")
+    assert reg.get("attention", "xqa") is xqa
+    assert reg.provider("attention", "trtllm").distribution == "minisgl-plugin-trtllm"
+    # 'auto' ranks them above the torch reference and below flashinfer (priority 10).
+    assert reg.get("attention", "torch").priority < xqa.priority < gen.priority < 10
+
+
+def test_entry_and_support_modules_import_neither_torch_nor_flashinfer() -> None:
+    code = (
+        "import sys\n"
+        "import minisgl_plugin_trtllm.plugin, minisgl_plugin_trtllm.support\n"
+        "from minisgl.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "print(sorted(m for m in ('torch', 'flashinfer') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("caps", "gen_ok", "xqa_ok"),
+    [
+        ([B200], True, True),
+        ([B300, B300], True, True),
+        ([HOPPER], False, True),
+        ([RTX5090], False, True),
+        ([A100], False, False),
+        ([B200, HOPPER], False, True),  # every visible GPU must qualify
+    ],
+)
+def test_support_by_compute_capability(
+    gpus: list[tuple[int, int]], caps: list[tuple[int, int]], gen_ok: bool, xqa_ok: bool
+) -> None:
+    gpus.extend(caps)
+    reg = load_plugins()
+    assert reg.get("attention", "trtllm").supports("cuda") is gen_ok
+    assert reg.get("attention", "trtllm-xqa").supports("cuda") is xqa_ok
+    assert not reg.get("attention", "trtllm").supports("cpu")
+
+
+def test_hopper_reason_names_the_gpu_and_the_way_out(gpus: list[tuple[int, int]]) -> None:
+    gpus.append(HOPPER)
+    with pytest.raises(Unsupported) as err:
+        support.trtllm_gen_supported("cuda")
+    text = str(err.value)
+    assert "10.0 or 10.3" in text and "GPU is 9.0" in text
+    assert "--attn flashinfer,trtllm-xqa" in text  # XQA runs here: the reason offers it
+    assert support.xqa_supported("cuda") is True
+
+
+def test_reasons_on_older_gpus_cpu_and_without_flashinfer(
+    gpus: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpus.append(A100)
+    with pytest.raises(Unsupported, match=r"GPU is 8\.0; use --attn flashinfer$"):
+        support.trtllm_gen_supported("cuda")  # no XQA hint: XQA does not run on 8.0 either
+    with pytest.raises(Unsupported, match=r"XQA decode kernel runs on compute capability 9\.x, 10\.x or 12\.x"):
+        support.xqa_supported("cuda")
+    with pytest.raises(Unsupported, match="need a CUDA GPU; use --attn torch"):
+        support.xqa_supported("cpu")
+    gpus.clear()
+    with pytest.raises(Unsupported, match="no CUDA GPU is visible"):
+        support.xqa_supported("cuda")
+    monkeypatch.setattr(support, "flashinfer_installed", lambda: False)
+    with pytest.raises(Unsupported, match=r"FlashInfer.*is not installed: pip install 'minisgl-plugin-trtllm\[cuda\]'"):
+        support.trtllm_gen_supported("cuda")
+
+
+def test_naming_trtllm_on_hopper_fails_with_the_reason(gpus: list[tuple[int, int]]) -> None:
+    gpus.append(HOPPER)
+    reg = load_plugins()
+    with pytest.raises(UnknownComponentError) as err:
+        reg.pick("attention", "trtllm", "cuda")
+    assert "attention backend 'trtllm' does not support device 'cuda' (TensorRT-LLM-gen" in str(err.value)
+    assert "GPU is 9.0" in str(err.value)
+    assert reg.pick("attention", "xqa", "cuda").name == "trtllm-xqa"
+    assert reg.pick("attention", "auto", "cuda").name != "trtllm"
+
+
+def test_listing_with_a_device_shows_why(gpus: list[tuple[int, int]]) -> None:
+    gpus.append(HOPPER)
+    reg = load_plugins()
+    table = render_table(reg, device="cuda")
+    assert "attention trtllm: unsupported on cuda: TensorRT-LLM-gen attention kernels" in table
+    assert "attention trtllm-xqa: unsupported" not in table
+    rows = {r["name"]: r for r in to_json(reg, device="cuda")["components"]["attention"]}
+    assert rows["trtllm"]["supported"] is False and "GPU is 9.0" in rows["trtllm"]["unsupported_reason"]
+    assert rows["trtllm-xqa"]["supported"] is True
+
+
+def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
+    gpus: list[tuple[int, int]], tmp_path: Path
+) -> None:
+    from minisgl.server.cli import PreflightError, preflight
+    from minisgl.server.settings import ServeSettings
+
+    gpus.append(HOPPER)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(PreflightError, match=r"^--attn: attention backend 'trtllm' does not support device 'cuda'"):
+        preflight(ServeSettings(model=str(tmp_path), attn="trtllm", device="cuda"))
+    assert "trtllm" in preflight(ServeSettings(model=str(tmp_path), attn="torch,trtllm-xqa", device="cuda"))
+
+
+def test_cuda_visible_devices_selects_nvml_entries() -> None:
+    caps = [HOPPER, B200, A100]
+    assert support._only_visible(caps, None) == caps
+    assert support._only_visible(caps, "") == []
+    assert support._only_visible(caps, "2,0") == [A100, HOPPER]
+    assert support._only_visible(caps, "1,7,0") == [B200]  # CUDA stops at the first invalid index
+    assert support._only_visible(caps, "GPU-5e6f7a") == caps  # UUIDs are not resolved: all kept
+
+
+def test_without_nvml_the_query_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    import torch
+
+    def no_library(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert support._nvml_capabilities() is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [HOPPER, B300][i])
+    assert support.visible_compute_capabilities() == [HOPPER, B300]
