@@ -1,6 +1,7 @@
 """Sessions: the core alone, each plugin alone with the core, everything together, lint, typecheck.
 
 `nox` runs them all (what CI does); `nox -s core`, `nox -s "plugin(name='radix')"`, ... run one.
+`nox -s gpu` (not in the default run) runs the GPU suite on a GPU machine: docs/testing.md.
 Every session installs into its own virtual environment, so a plugin's tests
 see only the core and that plugin: hidden dependencies between packages fail here.
 """
@@ -59,6 +60,16 @@ def all_together(session: nox.Session) -> None:
     session.install(*SERVER_TEST_DEPS)
     session.install(*[arg for p in PLUGINS for arg in ("-e", f"plugins/minisgl-plugin-{p}")])
     _pytest(session, "core/tests", *[f"plugins/minisgl-plugin-{p}/tests" for p in PLUGINS], "tests")
+
+
+@nox.session(venv_backend="none", default=False)
+def gpu(session: nox.Session) -> None:
+    """The GPU suite (tests/gpu_suite.py) in this environment; not in the default run.
+
+    Every CUDA test of every package, one process per file, on a GPU machine with the packages
+    installed. `nox -s gpu -- --out DIR` writes the report; other arguments go to the runner too.
+    """
+    session.run("python", "tests/gpu_suite.py", "--require-cuda", *session.posargs, external=True)
 
 
 @nox.session
