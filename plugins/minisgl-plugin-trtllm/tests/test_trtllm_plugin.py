@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from minisgl_plugin_trtllm import support
 
 from minisgl.plugins import UnknownComponentError, load_plugins
 from minisgl.plugins.listing import render_table, to_json
 from minisgl.plugins.specs import Unsupported
-from minisgl_plugin_trtllm import support
 
 HOPPER, B200, B300, RTX5090, A100 = (9, 0), (10, 0), (10, 3), (12, 0), (8, 0)
 

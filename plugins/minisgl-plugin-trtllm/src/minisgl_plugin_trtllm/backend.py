@@ -204,8 +204,8 @@ class TrtllmAttnBackend(BaseAttnBackend):
         assert batch.out_loc is not None
         hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
         pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
-        # The kernels address q as a dense [tokens, heads, head_dim] array.
-        out = meta.run(query=q.reshape(-1, hq, d).contiguous(), kv_cache=(pool.k_cache(layer_id), pool.v_cache(layer_id)))
+        query = q.reshape(-1, hq, d).contiguous()  # the kernels address q as a dense [tokens, heads, head_dim] array
+        out = meta.run(query=query, kv_cache=(pool.k_cache(layer_id), pool.v_cache(layer_id)))
         return out.view(-1, hq * d)
 
     # ------------------------------------------------------------ CUDA graphs
