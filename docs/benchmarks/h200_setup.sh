@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Sourced by the run_*.sh scripts on a lent H200 host: installs the carried wheels into /tmp/site,
 # puts the project's sources on PYTHONPATH and writes the dist-info metadata that makes the
-# plugins' entry points visible (they are not pip-installed there). Defines `step LIMIT CMD...`.
+# plugins' entry points visible (they are not pip-installed there): every plugin under plugins/,
+# found by its folder. Defines `step LIMIT CMD...`.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/core/src:$PWD/plugins/minisgl-plugin-llama/src:$PWD/plugins/minisgl-plugin-flashinfer/src:$PWD/plugins/minisgl-plugin-qwen3-moe/src:$PWD/tests
-python3 - <<'PY'
-import pathlib
-req = "Requires-Dist: minisgl<0.2,>=0.1\n"
-dists = {"minisgl": ("builtin", "minisgl.plugins.builtin", ""),
-         "minisgl_plugin_llama": ("llama", "minisgl_plugin_llama.plugin", req),
-         "minisgl_plugin_qwen3_moe": ("qwen3-moe", "minisgl_plugin_qwen3_moe.plugin", req),
-         "minisgl_plugin_flashinfer": ("flashinfer", "minisgl_plugin_flashinfer.plugin", req)}
-for dist, (entry, module, r) in dists.items():
-    d = pathlib.Path(f"/tmp/site/{dist}-0.1.0.dist-info"); d.mkdir(exist_ok=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: 0.1.0\n{r}")
-    (d / "entry_points.txt").write_text(f"[minisgl]\n{entry} = {module}\n")
+# The core and every plugins/minisgl-plugin-*/src, each with the dist-info that importlib.metadata reads:
+# name, version, its requirement on minisgl and its [project.entry-points.minisgl] (from its pyproject.toml).
+export PYTHONPATH=/tmp/site:$PWD/core/src:$PWD/tests
+for src in plugins/minisgl-plugin-*/src; do PYTHONPATH=$PYTHONPATH:$PWD/$src; done
+python3 - <<'PY' || exit 1
+import pathlib, tomllib
+for pyproject in [pathlib.Path("core/pyproject.toml"), *sorted(pathlib.Path("plugins").glob("minisgl-plugin-*/pyproject.toml"))]:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    name, version = project["name"], project["version"]
+    requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
+    entries = project.get("entry-points", {}).get("minisgl", {})
+    d = pathlib.Path(f"/tmp/site/{name.replace('-', '_')}-{version}.dist-info")
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
+    (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
 PY
 LIMIT=${LIMIT:-560}
 # Each step gets at most its own limit and never runs past the call's overall LIMIT (seconds).
