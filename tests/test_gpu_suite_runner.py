@@ -123,7 +123,9 @@ SPELLED_LATER = {"TORCH_CUDA_IS_AVAILABLE": "torch." + "cuda.is_available()"}
 
 
 @pytest.fixture
-def fake_root(tmp_path: Path) -> Path:
+def fake_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # The fake test processes need no installed pytest plugin; loading them all takes seconds a process.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    fakegpu: a fake CUDA test\n")
     for rel, text in FILES.items():
         path = tmp_path / rel
@@ -198,7 +200,7 @@ def test_counts_and_reruns_after_poisoning_and_crash(fake_root: Path) -> None:
 
 
 def test_a_file_out_of_time_fails_the_running_test_and_leaves_the_rest_unrun(fake_root: Path) -> None:
-    r = _run(fake_root, "tests/test_hangs.py", file_timeout=6.0)["tests/test_hangs.py"]
+    r = _run(fake_root, "tests/test_hangs.py", file_timeout=5.0)["tests/test_hangs.py"]
     assert _counts(r) == {"passed": 1, "failed": 1, "skipped": 0, "errors": 0, "not run": 1}
     assert r.messages["tests/test_hangs.py::test_hang"].startswith("timed out")
     assert r.processes == 1 and r.seconds < 30 and not r.ok
