@@ -151,11 +151,14 @@ class Suite:
             deselect = Path(tmp, "deselect.txt")
             deselect.touch()
             while True:
-                left = min(file_deadline, self.deadline) - time.monotonic()
-                if left < self.opts.min_start:
-                    if result.processes == 0:
-                        result.not_run = None
-                        result.notes.append("not started: the suite's time limit was spent")
+                now = time.monotonic()
+                left = min(file_deadline, self.deadline) - now
+                if result.processes == 0 and self.deadline - now < self.opts.min_start:
+                    result.not_run = None
+                    result.notes.append("not started: the suite's time limit was spent")
+                    break
+                if result.processes > 0 and left < self.opts.min_start:
+                    result.notes.append(f"{result.not_run} tests not run: too little time left for a fresh process")
                     break
                 record = Path(tmp, f"record-{result.processes}.jsonl")
                 proc, tail = self._run_process(path, record, deselect, log, left)
@@ -171,7 +174,9 @@ class Suite:
         return result
 
     def _absorb(self, result: FileResult, proc: Process, tail: str, deselect: Path) -> bool:
-        """Merge one process into the file's result; True when the rest of the file needs another process."""
+        """Merge one process into the file's result; True when the rest of the file needs another process
+        (``result.not_run`` then counts the tests it would run)."""
+        result.not_run = 0
         result.outcomes.update(proc.outcomes)
         result.messages.update(proc.messages)
         if proc.running is not None:
@@ -202,6 +207,7 @@ class Suite:
             result.not_run = len(remaining)
             result.notes.append(f"{len(remaining)} tests not run after {why}: {result.processes} processes used")
             return False
+        result.not_run = len(remaining)
         result.notes.append(f"{len(remaining)} tests re-run in a fresh process after {why}")
         self._say(f"{result.path}: {result.notes[-1]}")
         deselect.write_text("".join(t + "\n" for t in result.outcomes), encoding="utf-8")

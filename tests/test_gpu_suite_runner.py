@@ -137,7 +137,8 @@ def fake_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _run(root: Path, *names: str, **kw: object) -> dict[str, FileResult]:
-    opts = Options(root=root, marker="fakegpu", min_start=0.5, **kw)  # type: ignore[arg-type]
+    kw.setdefault("min_start", 0.5)
+    opts = Options(root=root, marker="fakegpu", **kw)  # type: ignore[arg-type]
     files = [root / n for n in names]
     return {r.path: r for r in Suite(opts, echo=False).run(files)}
 
@@ -204,6 +205,14 @@ def test_a_file_out_of_time_fails_the_running_test_and_leaves_the_rest_unrun(fak
     assert _counts(r) == {"passed": 1, "failed": 1, "skipped": 0, "errors": 0, "not run": 1}
     assert r.messages["tests/test_hangs.py::test_hang"].startswith("timed out")
     assert r.processes == 1 and r.seconds < 30 and not r.ok
+
+
+def test_tests_left_for_a_rerun_without_time_for_it_count_as_not_run(fake_root: Path) -> None:
+    # A fresh process needs min_start seconds; with the file's whole limit that short, no re-run fits.
+    r = _run(fake_root, "core/tests/test_poisons.py", file_timeout=4.0, min_start=4.0)["core/tests/test_poisons.py"]
+    assert _counts(r) == {"passed": 1, "failed": 1, "skipped": 0, "errors": 0, "not run": 3}
+    assert r.processes == 1 and not r.ok
+    assert r.notes[-1] == "3 tests not run: too little time left for a fresh process"
 
 
 def test_no_process_starts_once_the_suite_is_out_of_time(fake_root: Path) -> None:
