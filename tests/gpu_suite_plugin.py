@@ -58,9 +58,14 @@ def _text(report: pytest.CollectReport | pytest.TestReport) -> str:
     return str(report.longrepr) if report.longrepr is not None else ""
 
 
+def _errors(text: str) -> list[str]:
+    """pytest's ``E   ...`` lines of a failure: the exception, without the source lines around it."""
+    return [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+
+
 def _summary(text: str) -> str:
-    """The line that says what went wrong: pytest's ``E   ...`` lines, else the last line."""
-    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    """The line that says what went wrong: the first ``E`` line, else the last line."""
+    errors = _errors(text)
     lines = errors or [line.strip() for line in text.splitlines() if line.strip()]
     return (lines[0] if errors else lines[-1])[:500] if lines else ""
 
@@ -152,7 +157,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         seconds=round(report.duration, 3),
         message=_summary(text) if report.failed else "",
     )
-    if report.failed and POISON.search(text):
+    # The exception's lines only: the source in a traceback may mention these errors without raising them.
+    if report.failed and POISON.search("\n".join(_errors(text)) or text):
         _emit("poisoned", id=report.nodeid, message=_summary(text))
         if _session is not None:
             _session.shouldstop = f"CUDA context unusable after {report.nodeid}; the runner re-runs the rest"

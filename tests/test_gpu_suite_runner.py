@@ -33,6 +33,8 @@ FILES = {
 
         @pytest.mark.fakegpu
         def test_fails():
+            # An ordinary failure: the traceback shows this line, "CUDA error: device-side assert",
+            # but the exception says nothing of CUDA, so the process goes on.
             assert 1 == 2
 
         def test_not_marked_so_not_selected():
