@@ -1,19 +1,34 @@
 """Starting and stopping the ranks of a tensor-parallel engine.
 
 Rank 0 runs where the caller is (the offline ``LLM`` or a server's scheduler
-process); the other ranks of this node are spawned processes that build the
-same engine on their shard and follow rank 0 (:func:`~.replicated.follow`).
+process); the other ranks of this node are processes that build the same
+engine on their shard and follow rank 0 (:func:`~.replicated.follow`).
 With several nodes (``nnodes``), node ``k`` starts ranks
 ``k * per_node .. (k + 1) * per_node - 1`` and rank 0's node hosts the store at
 ``dist_init_addr``.
+
+Each rank is a fresh interpreter running ``python -m minisgl.scheduler.tp_rank``
+(never a fork: CUDA and threads do not survive one; nor a multiprocessing
+spawn, which re-imports the caller's main module and so runs a plain script
+without an ``if __name__ == "__main__":`` guard a second time in every rank).
+While rank 0 waits for the group to form it watches those processes, so a rank
+that dies first is an error at once, naming the rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
-import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from ..config import EngineConfig
 from ..distributed.group import TPGroup, free_port, join_group
@@ -24,6 +39,7 @@ from .replicated import ReplicatedScheduler, exit_with_parent, follow
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TensorParallelError(RuntimeError):
@@ -80,16 +96,27 @@ def check_devices(config: EngineConfig, topo: Topology) -> None:
 
 
 def build_rank(
-    config: EngineConfig, rank: int, local_rank: int, topo: Topology, registry: PluginRegistry | None
+    config: EngineConfig,
+    rank: int,
+    local_rank: int,
+    topo: Topology,
+    registry: PluginRegistry | None,
+    ranks: RankProcesses | None = None,
 ) -> tuple[Scheduler, TPGroup, Any]:
-    """Join the group and build this rank's engine, (local) scheduler and tokenizer."""
+    """Join the group and build this rank's engine, (local) scheduler and tokenizer.
+
+    ``ranks``: the processes this one started, watched while the group forms.
+    """
     import torch
 
     cfg = rank_config(config, local_rank)
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = join_group(rank, topo.tp, topo.addr, device)
+    if ranks is None:
+        group = join_group(rank, topo.tp, topo.addr, device)
+    else:
+        group = ranks.while_alive(lambda: join_group(rank, topo.tp, topo.addr, device), "joining the group")
     engine = Engine(cfg, registry, tp=group.tp, comm=group.comm)
     tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
     detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
@@ -102,7 +129,7 @@ def build_rank(
 
 
 def follower_main(config_fields: dict[str, Any], rank: int, local_rank: int, topo_fields: dict[str, Any]) -> None:
-    """Entry point of a spawned non-zero rank."""
+    """Body of a non-zero rank's process (``python -m minisgl.scheduler.tp_rank``)."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
     exit_with_parent()
     config = EngineConfig(**{**config_fields, "plugins": tuple(config_fields["plugins"] or ()) or None})
@@ -111,25 +138,84 @@ def follower_main(config_fields: dict[str, Any], rank: int, local_rank: int, top
     follow(scheduler, group.control)
 
 
+class RankProcess:
+    """One rank's process: a fresh interpreter running :mod:`minisgl.scheduler.tp_rank`, arguments on stdin."""
+
+    def __init__(self, name: str, launch: dict[str, Any]):
+        self.name = name
+        env = dict(os.environ)
+        # The rank must import this same minisgl, also when the caller put it on sys.path by hand.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        command = [sys.executable, "-m", "minisgl.scheduler.tp_rank"]
+        self.popen = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+        assert self.popen.stdin is not None
+        # A rank that died at once closed its end; the watch on its exit reports it.
+        with contextlib.suppress(BrokenPipeError), self.popen.stdin:
+            self.popen.stdin.write(json.dumps(launch).encode())
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running; negative for a signal, as for multiprocessing."""
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+
 class RankProcesses:
-    """The spawned ranks of this node (all but rank 0 on node 0)."""
+    """The started ranks of this node (all but rank 0 on node 0)."""
 
     def __init__(self, config: EngineConfig, topo: Topology):
-        ctx = mp.get_context("spawn")
         fields = asdict(config)
         fields["plugins"] = list(config.plugins) if config.plugins is not None else None
-        self.procs: list[Any] = []
+        self.procs: list[RankProcess] = []
         for local, rank in enumerate(topo.local_ranks()):
             if rank == 0:
                 continue
-            p = ctx.Process(
-                target=follower_main,
-                args=(fields, rank, local, asdict(topo)),
-                name=f"minisgl-tp-rank{rank}",
-                daemon=True,
-            )
-            p.start()
-            self.procs.append(p)
+            launch = {"config": fields, "rank": rank, "local_rank": local, "topology": asdict(topo)}
+            self.procs.append(RankProcess(f"minisgl-tp-rank{rank}", launch))
+
+    def while_alive(self, wait: Callable[[], T], what: str) -> T:
+        """``wait()`` (run in a helper thread), failing at once when one of the ranks exits meanwhile.
+
+        Joining the group blocks until every rank has connected; a rank that died first (a bad
+        install, an import error) would otherwise surface only at the store's timeout, minutes later.
+        """
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, wait()))
+            except BaseException as exc:  # handed to the caller's thread
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=run, name="tp-wait", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            for p in self.procs:
+                if not p.is_alive():
+                    raise TensorParallelError(
+                        f"tensor-parallel {p.name} (pid {p.pid}) exited with code {p.exitcode} before "
+                        f"{what}; its own error is in the output above"
+                    )
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     def check_alive(self, grace: float = 0.0) -> None:
         """Raise naming the first rank that has exited; wait up to ``grace`` seconds for one to.
@@ -137,8 +223,6 @@ class RankProcesses:
         After a collective failed on a closed connection, a short grace lets the dead rank's exit be
         seen, so the error names the rank instead of the transport.
         """
-        import time
-
         deadline = time.monotonic() + grace
         while True:
             for p in self.procs:
@@ -192,7 +276,7 @@ def start_tensor_parallel(
     config = config.with_changes(plugins=tuple(registry.active_plugin_names()), dist_init_addr=topo.addr)
     procs = RankProcesses(config, topo)
     try:
-        scheduler, _, tokenizer = build_rank(config, 0, 0, topo, registry)
+        scheduler, _, tokenizer = build_rank(config, 0, 0, topo, registry, procs)
     except BaseException:
         procs.kill()
         raise
