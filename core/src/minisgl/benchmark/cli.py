@@ -9,6 +9,8 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": ("minisgl.benchmark.offline", "offline throughput (GPU protocol workload, or --workload cpu)"),
     "shared-prefix": ("minisgl.benchmark.shared_prefix", "prefix-cache benchmark: prompts sharing long prefixes"),
+    "serve": ("minisgl.benchmark.serve", "online serving: a streaming client for any OpenAI-compatible server"),
+    "plot": ("minisgl.benchmark.serve_plot", "plot bench serve results: output tok/s against p99 TTFT"),
 }
 
 

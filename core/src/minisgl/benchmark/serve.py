@@ -1,0 +1,365 @@
+"""Online serving benchmark: ``minisgl bench serve``, a client for any OpenAI-compatible server.
+
+It streams ``/v1/chat/completions`` (or ``/v1/completions``) requests of a workload
+(``random``, the benchmark protocol's; ``shared-prefix``; ``long-prompt``; see
+``serve_workloads``) to ``--base-url`` with arrivals all at once, Poisson at a rate,
+or at a fixed concurrency, and measures time to first token, time per output
+token, inter-token latency, end-to-end latency and throughput. ``--rate 8 32 inf``
+sweeps, one run per rate against the same server. Output tokens come from each
+stream's final usage chunk (``stream_options.include_usage``); servers that send
+none are counted by text chunks, or by ``max_tokens`` with ``--fallback-count
+max-tokens``. Results are printed and written as JSON (machine, command, commit,
+date, server, workload, one record per run) to ``--output``; ``minisgl bench plot``
+draws throughput against p99 TTFT from such files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .offline import _git_commit, _machine
+from .serve_client import RequestResult, Target, get_json, stream
+from .serve_workloads import Conversation, Workload, arrival_times, build_workload, load_decode
+
+WARMUP_ID_SEED = 1
+ERRORS_KEPT = 5
+
+
+@dataclass(frozen=True)
+class Server:
+    """The server under test and how every request to it is shaped."""
+
+    target: Target
+    model: str
+    chat: bool = True
+    temperature: float = 0.6
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout: float = 600.0
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def body(self, system: str | None, history: list[str], text: str, max_tokens: int) -> dict[str, Any]:
+        """A request: ``history`` alternates earlier questions and answers."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.chat:
+            messages = [{"role": "system", "content": system}] if system is not None else []
+            roles = ("user", "assistant")
+            messages += [{"role": roles[i % 2], "content": m} for i, m in enumerate(history)]
+            body["messages"] = [*messages, {"role": "user", "content": text}]
+        else:
+            body["prompt"] = "\n\n".join([*([system] if system is not None else []), *history, text])
+        return {**body, **self.extra_body}
+
+
+@dataclass
+class RunResult:
+    """The requests of one run and what the client saw around them."""
+
+    results: list[RequestResult]
+    duration: float
+    skipped: int
+    max_in_flight: int
+    client_cpu_s: float
+
+
+async def run_workload(
+    server: Server,
+    work: Workload,
+    rate: float = math.inf,
+    concurrency: int | None = None,
+    seed: int = 0,
+    progress: Callable[[], object] | None = None,
+) -> RunResult:
+    """Send every conversation of ``work``: arrivals at ``rate`` (Poisson, seeded), at most ``concurrency`` in flight.
+
+    A conversation's turns go one after another; when a turn fails, its later turns
+    are skipped (counted, not sent). One failed request never stops the run.
+    """
+    arrivals = arrival_times(len(work.conversations), rate, seed)
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    results: list[RequestResult] = []
+    in_flight = [0, 0]  # now, most seen
+    skipped = 0
+
+    async def one(conv: Conversation, at: float, t0: float) -> None:
+        nonlocal skipped
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        history: list[str] = []
+        for k, turn in enumerate(conv.turns):
+            keep = k + 1 < len(conv.turns)
+            body = server.body(work.system, history, turn.text, turn.max_tokens)
+            if gate is not None:
+                await gate.acquire()
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight[1], in_flight[0])
+            try:
+                res = await stream(server.target, server.path, body, keep_text=keep, timeout=server.timeout)
+            finally:
+                in_flight[0] -= 1
+                if gate is not None:
+                    gate.release()
+            res.max_tokens = turn.max_tokens
+            res.drawn_input_tokens = turn.drawn_tokens + work.system_tokens
+            results.append(res)
+            if progress is not None:
+                progress()
+            if res.error is not None:
+                skipped += len(conv.turns) - k - 1
+                return
+            if keep:
+                history += [turn.text, res.answer(server.chat)]
+
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(c, at, t0) for c, at in zip(work.conversations, arrivals, strict=True)))
+    duration = time.perf_counter() - t0
+    return RunResult(results, duration, skipped, in_flight[1], time.process_time() - cpu0)
+
+
+def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64) * 1000.0
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
+    """One run's record: throughput, token counts, latency statistics (ms) and errors.
+
+    Output tokens of a request: its usage chunk's ``completion_tokens``; without one,
+    its text chunks (``fallback="chunks"``) or its ``max_tokens`` (``"max-tokens"``).
+    """
+    ok = [r for r in run.results if r.error is None]
+    ttft: list[float] = []
+    tpot: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    out_tokens = in_tokens = by_usage = 0
+    for r in ok:
+        if r.usage_output_tokens is not None:
+            n = r.usage_output_tokens
+            by_usage += 1
+        else:
+            n = len(r.chunk_times) if fallback == "chunks" else r.max_tokens
+        out_tokens += n
+        in_tokens += r.usage_input_tokens if r.usage_input_tokens is not None else r.drawn_input_tokens
+        e2e.append(r.end - r.start)
+        times = r.chunk_times
+        if times:
+            ttft.append(times[0] - r.start)
+            itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
+            if n > 1 and len(times) > 1:
+                tpot.append((times[-1] - times[0]) / (n - 1))
+    errors = [r.error for r in sorted(run.results, key=lambda r: r.end) if r.error is not None]
+    d = run.duration
+    return {
+        "requests": len(run.results) + run.skipped,
+        "completed": len(ok),
+        "errors": len(errors),
+        "error_messages": errors[:ERRORS_KEPT],
+        "skipped": run.skipped,
+        "duration_s": d,
+        "request_throughput": len(ok) / d if d > 0 else 0.0,
+        "output_throughput": out_tokens / d if d > 0 else 0.0,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "max_tokens_requested": sum(r.max_tokens for r in ok),
+        "requests_with_usage": by_usage,
+        "output_token_count": "usage" if by_usage == len(ok) else f"usage for {by_usage}, else {fallback}",
+        "text_chunks": sum(len(r.chunk_times) for r in ok),
+        "max_in_flight": run.max_in_flight,
+        "client_cpu_s": run.client_cpu_s,
+        "ttft_ms": _stats_ms(ttft),
+        "tpot_ms": _stats_ms(tpot),
+        "itl_ms": _stats_ms(itl),
+        "e2e_ms": _stats_ms(e2e),
+    }
+
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate is requests per second > 0, or inf; got {text}")
+    return rate
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minisgl bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, model directory, .gguf or dist:NAME")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "long-prompt"), default="random")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns per user")
+    p.add_argument("--system-len", type=int, default=2048, help="shared-prefix: system prompt token ids")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into every request")
+    p.add_argument("--warmup", type=int, default=16, help="untimed requests shaped like the first ones")
+    p.add_argument("--rate", type=_rate, nargs="+", default=[math.inf], help="requests/s (Poisson), or inf")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="at most N requests in flight")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument(
+        "--reuse-prompts",
+        action="store_true",
+        help="every run of a sweep sends the same text (default: runs after the first use other ids, same lengths)",
+    )
+    p.add_argument("--fallback-count", choices=("chunks", "max-tokens"), default="chunks")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--label", default=None, help="name of the result (file name, plot legend)")
+    p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
+    return p
+
+
+def _event_loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _runner() -> asyncio.Runner:
+    """An event loop runner: uvloop's when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+async def _model_name(target: Target) -> str:
+    try:
+        models = await get_json(target, "/v1/models")
+        return str(models["data"][0]["id"])
+    except (RuntimeError, KeyError, IndexError, TypeError) as exc:
+        raise SystemExit(f"minisgl bench serve: cannot learn the model name ({exc}); pass --model") from None
+
+
+async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    from tqdm import tqdm
+
+    target = Target.from_url(args.base_url, args.api_key)
+    model = args.model or await _model_name(target)
+    server = Server(target, model, args.endpoint == "chat", args.temperature, args.extra_body, args.timeout)
+    tokenizer = args.tokenizer or (model if Path(model).exists() else None)
+    if tokenizer is None:
+        raise SystemExit(f"minisgl bench serve: the server's model '{model}' is not a local path; pass --tokenizer")
+    decode = load_decode(tokenizer)
+
+    def workload(id_seed: int | None) -> Workload:
+        return build_workload(
+            args.workload,
+            decode,
+            args.num_requests,
+            tuple(args.input_len) if args.input_len else None,
+            tuple(args.output_len) if args.output_len else None,
+            args.turns,
+            args.system_len,
+            id_seed=id_seed,
+        )
+
+    work = workload(None)
+    record["server"] = {"base_url": target.url, "model": model, "endpoint": server.path}
+    record["workload"] = {
+        "name": work.name,
+        **work.params,
+        "requests": work.num_requests,
+        "drawn_input_tokens": work.drawn_input_tokens,
+        "max_tokens_total": work.max_tokens_total,
+        "temperature": args.temperature,
+        "tokenizer": tokenizer,
+        "warmup": args.warmup,
+        "fresh_prompts_per_run": not args.reuse_prompts,
+    }
+    if args.warmup > 0:
+        warm = await run_workload(server, workload(WARMUP_ID_SEED).first_turns(args.warmup))
+        failed = [r.error for r in warm.results if r.error]
+        record["warmup"] = {"seconds": warm.duration, "errors": len(failed), "error_messages": failed[:ERRORS_KEPT]}
+        if failed:
+            print(f"warm-up: {len(failed)} of {len(warm.results)} failed, first: {failed[0]}", file=sys.stderr)
+    record["runs"] = []
+    print(_HEADER)
+    for i, (rate, conc) in enumerate((r, c) for r in args.rate for c in (args.concurrency or [None])):
+        run_work = work if i == 0 or args.reuse_prompts else workload(WARMUP_ID_SEED + i)
+        desc = f"rate {rate:g}" + (f", concurrency {conc}" if conc else "")
+        with tqdm(total=run_work.num_requests, desc=desc, unit="req", leave=False, disable=args.no_progress) as bar:
+            run = await run_workload(server, run_work, rate, conc, args.seed, bar.update)
+        rec = {"rate": "inf" if math.isinf(rate) else rate, "concurrency": conc, **summarize(run, args.fallback_count)}
+        record["runs"].append(rec)
+        print(_row(rec), flush=True)
+
+
+def _fmt(stats: dict[str, float | None], key: str) -> str:
+    v = stats[key]
+    return "-" if v is None else f"{v:.1f}"
+
+
+_HEADER = (
+    f"{'rate':>6} {'conc':>5} {'ok':>5} {'err':>4} {'dur s':>7} {'req/s':>6} {'out tok/s':>10}"
+    f" {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 ms':>17}"
+)
+
+
+def _row(r: dict[str, Any]) -> str:
+    def pair(name: str, width: int) -> str:
+        return f"{_fmt(r[name], 'p50') + ' / ' + _fmt(r[name], 'p99'):>{width}}"
+
+    return (
+        f"{r['rate']!s:>6} {r['concurrency'] or '-'!s:>5} {r['completed']:>5} {r['errors']:>4}"
+        f" {r['duration_s']:>7.2f} {r['request_throughput']:>6.2f} {r['output_throughput']:>10.1f}"
+        f" {pair('ttft_ms', 17)} {pair('tpot_ms', 16)} {pair('itl_ms', 15)} {pair('e2e_ms', 17)}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    record: dict[str, Any] = {
+        "benchmark": f"serve-{args.workload}",
+        "label": args.label or f"serve-{args.workload}",
+        "command": shlex.join(["minisgl", "bench", "serve", *argv]),
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {**_machine("cuda"), "event_loop": _event_loop_name()},
+    }
+    with _runner() as runner:
+        runner.run(_bench(args, record))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{record['label']}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
