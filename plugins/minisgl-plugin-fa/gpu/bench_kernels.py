@@ -1,6 +1,6 @@
 """Kernel-level comparison of attention backends at the benchmark protocol's shapes (one H200 call).
 
-Qwen3-0.6B attention: 16 query heads, 8 KV heads, head_dim 128, bf16, page size 16
+Qwen3-0.6B attention (``--shape`` for others): 16 query heads, 8 KV heads, head_dim 128, bf16, page size 16
 (the engine's default), pages scattered at random over the pool. Cases:
 
 - prefill: 16 fresh prompts of 100-1024 tokens; 8 requests extending a 256-768 token
@@ -37,7 +37,7 @@ from minisgl.attention import AttentionContext, BaseAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.kvcache import KVLayout, MHAKVPool
 
-HQ, HKV, D, PAGE = 16, 8, 128, 16
+PAGE = 16
 DTYPE = torch.bfloat16
 MAX_REQS, MAX_SEQ = 256, 2048
 GRAPH_CALLS = 10
@@ -82,16 +82,19 @@ def build_backend(name: str, ctx: AttentionContext) -> BaseAttnBackend:
 class Workspace:
     """One layer's KV pool (random contents), minisgl's page table, pages scattered at random."""
 
-    def __init__(self, device: str = "cuda", seed: int = 0):
+    def __init__(self, device: str = "cuda", heads: tuple[int, int, int] = (16, 8, 128), seed: int = 0):
         dev = torch.device(device)
         self.dev = dev
+        self.hq, self.hkv, self.d = heads
         num_pages = MAX_REQS * 700 // PAGE + 64
-        self.layout = KVLayout(1, num_pages, PAGE, HKV, D, DTYPE, dev)
+        self.layout = KVLayout(1, num_pages, PAGE, self.hkv, self.d, DTYPE, dev)
         self.pool = MHAKVPool(self.layout)
         self.pool._buffer.normal_()
         self.table = torch.zeros((MAX_REQS, MAX_SEQ), dtype=torch.int32, device=dev)
         self.rng = random.Random(seed)
-        self.ctx = AttentionContext(HQ, HKV, D, PAGE, self.pool, self.table, MAX_REQS, MAX_SEQ, DTYPE, dev)
+        self.ctx = AttentionContext(
+            self.hq, self.hkv, self.d, PAGE, self.pool, self.table, MAX_REQS, MAX_SEQ, DTYPE, dev
+        )
 
     def batch(self, case: Case) -> Batch:
         free = list(range(1, self.layout.num_pages))
@@ -110,15 +113,15 @@ class Workspace:
         return Batch(reqs, case.phase, out_loc=out_loc, sample_mask=[True] * len(reqs))
 
 
-def work_of(case: Case) -> tuple[float, float]:
+def work_of(ws: Workspace, case: Case) -> tuple[float, float]:
     """(attention FLOPs, K/V bytes read) of one layer of ``case``."""
     flops = 0.0
     tokens_read = 0
     for cached, new in case.specs:
         pairs = new * cached + new * (new + 1) / 2  # causal: each new token sees the prefix and earlier new ones
-        flops += 4 * D * HQ * pairs
+        flops += 4 * ws.d * ws.hq * pairs
         tokens_read += cached + new
-    return flops, tokens_read * HKV * D * 2 * DTYPE.itemsize
+    return flops, tokens_read * ws.hkv * ws.d * 2 * DTYPE.itemsize
 
 
 def _time(fn: Any, iters: int) -> float:
@@ -144,9 +147,9 @@ def inputs(ws: Workspace, case: Case) -> tuple[Batch, torch.Tensor, torch.Tensor
     assert batch.out_loc is not None
     tokens = batch.out_loc.numel()
     gen = torch.Generator(device=ws.dev).manual_seed(len(case.specs))
-    q = torch.randn(tokens, HQ * D, device=ws.dev, dtype=DTYPE, generator=gen)
-    k = torch.randn(tokens, HKV * D, device=ws.dev, dtype=DTYPE, generator=gen)
-    v = torch.randn(tokens, HKV * D, device=ws.dev, dtype=DTYPE, generator=gen)
+    q = torch.randn(tokens, ws.hq * ws.d, device=ws.dev, dtype=DTYPE, generator=gen)
+    k = torch.randn(tokens, ws.hkv * ws.d, device=ws.dev, dtype=DTYPE, generator=gen)
+    v = torch.randn(tokens, ws.hkv * ws.d, device=ws.dev, dtype=DTYPE, generator=gen)
     return batch, q, k, v
 
 
@@ -176,7 +179,7 @@ def run_case(
         row["graph_us"] = 1000 * _graph_time(backend, batch, q, k, v)
     except Exception as exc:  # report and go on: one failed capture must not hide the other numbers
         row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    flops, nbytes = work_of(case)
+    flops, nbytes = work_of(ws, case)
     best = row.get("graph_us", row["eager_us"])
     row["tflops"] = round(flops / best / 1e6, 1)
     row["kv_read_tb_s"] = round(nbytes / best / 1e6, 2)
@@ -225,11 +228,13 @@ def main() -> int:
     p.add_argument("--backends", default="fa,flashinfer", help="comma-separated: fa, fa2, fa3, fa4, flashinfer, torch")
     p.add_argument("--device", default="cuda", help="cuda; cpu only dry-runs this script (with --backends torch)")
     p.add_argument("--cases", default="", help="comma-separated case numbers to run (default: all)")
+    p.add_argument("--shape", default="16,8,128", help="query heads, KV heads, head_dim (default: Qwen3-0.6B)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--warmup-only", action="store_true", help="run each case once (compiles kernels), no timing")
     args = p.parse_args()
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
-    ws = Workspace(args.device)
+    hq, hkv, d = (int(x) for x in args.shape.split(","))
+    ws = Workspace(args.device, (hq, hkv, d))
     rows: list[dict[str, Any]] = []
     cases = protocol_cases()
     if args.cases:
@@ -263,7 +268,7 @@ def main() -> int:
     if args.out:
         device = torch.cuda.get_device_name() if ws.dev.type == "cuda" else platform.processor() or "cpu"
         doc = {"device": device, "versions": versions(), "shapes": {
-            "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page_size": PAGE},
+            "q_heads": ws.hq, "kv_heads": ws.hkv, "head_dim": ws.d, "dtype": "bfloat16", "page_size": PAGE},
             "cases": [{"name": c.name, "phase": c.phase, "specs": c.specs} for c in cases],
             "results": rows}  # fmt: skip
         with open(args.out, "w") as f:
