@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class FakeServer:
         self.port = port
         self.model = model
         self.bodies: list[dict[str, Any]] = []
+        self.arrivals: list[float] = []  # time.perf_counter() at each completion request
         self.in_flight = 0
         self.max_in_flight = 0
         self._server: asyncio.Server | None = None
@@ -149,6 +151,7 @@ class FakeServer:
                 await self._respond(writer, 200, json.dumps({"data": [{"id": self.model}]}).encode())
             elif method == "POST" and path.endswith(("/v1/chat/completions", "/v1/completions")):
                 body = json.loads(raw)
+                self.arrivals.append(time.perf_counter())
                 self.bodies.append(body)
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -225,6 +228,10 @@ def fake_server_thread(script: Script, model: str = "fake-model") -> Iterator[Fa
         loop.run_until_complete(server.start())
         ready.set()
         loop.run_forever()
+        pending = asyncio.all_tasks(loop)  # streams still open (a client that timed out, the step task)
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.run_until_complete(server.close())
         loop.close()
 

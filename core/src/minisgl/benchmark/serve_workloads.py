@@ -17,8 +17,8 @@ and its ``max_tokens = randint(32, 128)``. All users share the system prompt; tu
 k of a user carries the system prompt, that user's earlier questions and the
 server's answers to them, and the new question.
 
-With ``id_seed`` set, the token ids come from ``random.Random(id_seed)`` while every
-length still comes from the workload's own generator: the same shapes with other
+With ``id_seed`` set, the workload is drawn as above and then every prompt's ids
+are replaced by ids drawn from ``random.Random(id_seed)``: the same lengths with other
 text (the warm-up, and later runs of a sweep, so that a prefix cache cannot serve them
 from an earlier run).
 """
@@ -83,6 +83,15 @@ class Workload:
         return replace(self, conversations=convs)
 
 
+def _other_ids(prompts: list[list[int]], id_seed: int | None) -> list[list[int]]:
+    """``prompts`` as drawn (``id_seed`` None), or prompts of the same lengths with ids from ``Random(id_seed)``."""
+    if id_seed is None:
+        return prompts
+    rng = random.Random(id_seed)
+    lo, hi = TOKEN_ID_RANGE
+    return [[rng.randint(lo, hi) for _ in p] for p in prompts]
+
+
 def single_turn_workload(
     decode: Decode,
     name: str,
@@ -94,10 +103,10 @@ def single_turn_workload(
 ) -> Workload:
     """``num_requests`` one-message requests: all prompts drawn first, then all output lengths."""
     rng = random.Random(seed)
-    ids = rng if id_seed is None else random.Random(id_seed)
     lo, hi = TOKEN_ID_RANGE
-    prompts = [[ids.randint(lo, hi) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
+    prompts = [[rng.randint(lo, hi) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
     lens = [rng.randint(*output_len) for _ in range(num_requests)]
+    prompts = _other_ids(prompts, id_seed)
     convs = tuple(Conversation((Turn(decode(p), n, len(p)),)) for p, n in zip(prompts, lens, strict=True))
     params = {"requests": num_requests, "input_len": list(input_len), "output_len": list(output_len)}
     return Workload(name, convs, params={**params, "token_ids": list(TOKEN_ID_RANGE), "seed": seed})
@@ -115,16 +124,17 @@ def shared_prefix_workload(
 ) -> Workload:
     """``users`` conversations of ``turns`` turns under one shared system prompt."""
     rng = random.Random(seed)
-    ids = rng if id_seed is None else random.Random(id_seed)
     lo, hi = TOKEN_ID_RANGE
-    system_ids = [ids.randint(lo, hi) for _ in range(system_len)]
+    system_ids = [rng.randint(lo, hi) for _ in range(system_len)]
+    questions, lens = [], []
+    for _ in range(users * turns):
+        questions.append([rng.randint(lo, hi) for _ in range(rng.randint(*input_len))])
+        lens.append(rng.randint(*output_len))
+    system_ids, *questions = _other_ids([system_ids, *questions], id_seed)
     convs = []
-    for _ in range(users):
-        conv = []
-        for _ in range(turns):
-            question = [ids.randint(lo, hi) for _ in range(rng.randint(*input_len))]
-            conv.append(Turn(decode(question), rng.randint(*output_len), len(question)))
-        convs.append(Conversation(tuple(conv)))
+    for u in range(users):
+        pairs = zip(questions[u * turns : (u + 1) * turns], lens[u * turns : (u + 1) * turns], strict=True)
+        convs.append(Conversation(tuple(Turn(decode(q), n, len(q)) for q, n in pairs)))
     params = {
         "users": users,
         "turns": turns,
