@@ -343,6 +343,19 @@ def test_later_turns_carry_the_conversation_and_wait_for_the_answer() -> None:
             assert msgs == [*want, {"role": "user", "content": conv.turns[k].text}]
 
 
+def test_without_usage_a_turns_input_counts_the_conversation_so_far() -> None:
+    def script(body: dict[str, Any]) -> Reply:
+        return stream_reply(["a", "b"], first_delay=0.0, gap=0.0, usage=None)
+
+    work = build_workload("shared-prefix", words, 3, turns=3, system_len=20)
+    with fake_server_thread(script) as srv:
+        result = run(srv.url, work)
+    q = [t.drawn_tokens for t in work.conversations[0].turns]
+    got = [r.drawn_input_tokens for r in sorted(result.results, key=lambda r: r.start)]
+    assert got == [20 + q[0], 20 + q[0] + 2 + q[1], 20 + q[0] + 2 + q[1] + 2 + q[2]]
+    assert serve.summarize(result)["total_input_tokens"] == sum(got)
+
+
 def test_load_decode_reads_a_tokenizer_directory(tmp_path: Path) -> None:
     from minisgl.testing.models import save_word_tokenizer
 

@@ -108,6 +108,7 @@ async def run_workload(
         if delay > 0:
             await asyncio.sleep(delay)
         history: list[str] = []
+        history_tokens = 0  # earlier questions (ids drawn) and answers (tokens generated)
         for k, turn in enumerate(conv.turns):
             keep = k + 1 < len(conv.turns)
             body = server.body(work.system, history, turn.text, turn.max_tokens)
@@ -122,7 +123,7 @@ async def run_workload(
                 if gate is not None:
                     gate.release()
             res.max_tokens = turn.max_tokens
-            res.drawn_input_tokens = turn.drawn_tokens + work.system_tokens
+            res.drawn_input_tokens = work.system_tokens + history_tokens + turn.drawn_tokens
             results.append(res)
             if progress is not None:
                 progress()
@@ -131,6 +132,8 @@ async def run_workload(
                 return
             if keep:
                 history += [turn.text, res.answer(server.chat)]
+                answered = res.usage_output_tokens if res.usage_output_tokens is not None else len(res.chunk_times)
+                history_tokens += turn.drawn_tokens + answered
 
     cpu0 = time.process_time()
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The HTTP side of ``minisgl bench serve``: one streamed request per connection, parsed as bytes arrive.
 
-The client speaks HTTP/1.1 over asyncio streams directly (no HTTP library), so that
+The client speaks HTTP/1.1 through an asyncio protocol (no HTTP library), so that
 its cost per streamed chunk stays small next to what a fast server sends: a chunk
 is found, timestamped and classified with a few byte searches; only the rare
 chunks that carry usage or an error are parsed as JSON. Every chunk that arrives
@@ -45,9 +45,11 @@ class RequestResult:
         """The streamed answer's text (needs ``text_payloads``)."""
         parts = []
         for payload in self.text_payloads or ():
-            choices = json.loads(payload).get("choices") or [{}]
-            first = choices[0]
-            parts.append(((first.get("delta") or {}).get("content") if chat else first.get("text")) or "")
+            try:
+                first = (json.loads(payload).get("choices") or [{}])[0]
+                parts.append(((first.get("delta") or {}).get("content") if chat else first.get("text")) or "")
+            except (ValueError, AttributeError, IndexError):
+                continue  # counted as a text chunk already; its text is not worth failing the conversation
         return "".join(parts)
 
 
@@ -147,11 +149,12 @@ class _SseSink:
         if event.get("error"):
             self.result.error = "error event: " + _error_message(event)
             return True
-        usage = event.get("usage") or {}
-        if isinstance(usage.get("completion_tokens"), int):
-            self.result.usage_output_tokens = usage["completion_tokens"]
-        if isinstance(usage.get("prompt_tokens"), int):
-            self.result.usage_input_tokens = usage["prompt_tokens"]
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                self.result.usage_output_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.result.usage_input_tokens = usage["prompt_tokens"]
         for choice in event.get("choices") or ():
             text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
             if text:
@@ -195,11 +198,11 @@ class _Response(asyncio.Protocol):
         now = perf_counter()
         if self.done.done():
             return
-        if self.head is not None:
-            data = self._read_head(data)
-            if not data:
-                return
         try:
+            if self.head is not None:
+                data = self._read_head(data)
+                if not data:
+                    return
             if self.chunked:
                 self._dechunk(data, now)
             else:
@@ -209,8 +212,8 @@ class _Response(asyncio.Protocol):
                 self._deliver(data, now)
                 if self.length == 0:
                     self._body_end(now)
-        except (ValueError, IndexError) as exc:
-            self._finish(now, f"malformed HTTP response: {exc}")
+        except Exception as exc:  # a response this parser cannot read fails its request, never the run
+            self._finish(now, f"unreadable response: {type(exc).__name__}: {exc}")
 
     def _read_head(self, data: bytes) -> bytes:
         assert self.head is not None
