@@ -62,9 +62,8 @@ class TestFlashAttnConformanceFP16(AttentionBackendConformance):
 @pytest.mark.parametrize("gqa,kv_heads", [(8, 2), (8, 1)])
 def test_gqa_8_to_1(page_size: int, gqa: int, kv_heads: int) -> None:
     """16 query heads on 2 KV heads and 8 on 1: chunked prefill on a cached prefix, then decode."""
-    h = AttentionHarness(
-        _fa_backend, MHAKVPool, AttnCase(page_size, gqa, 128, kv_heads), device="cuda", dtype=torch.bfloat16
-    )
+    case = AttnCase(page_size, gqa, 128, kv_heads)
+    h = AttentionHarness(_fa_backend, MHAKVPool, case, device="cuda", dtype=torch.bfloat16, max_len=128)
     hit = h.add_request(2 * page_size + 40, cached_prefix=2 * page_size)
     fresh = h.add_request(33)
     h.step([(hit, 40), (fresh, 20)])
@@ -224,6 +223,8 @@ def test_greedy_decoding_agrees_with_torch(
 @needs_flashinfer
 @pytest.mark.parametrize("attn", ["fa,flashinfer", "flashinfer,fa"])
 def test_hybrid_with_flashinfer_agrees_with_torch(tiny_model: Path, reference: Reference, attn: str) -> None:
+    if "Qwen3" not in tiny_model.name:  # FlashInfer compiles per head dim on first use: one model shows the mix
+        pytest.skip("hybrids are checked on the head_dim 128 model")
     tokens, llm = _generate(tiny_model, reference.prompts, attention_backend=attn, cuda_graph_max_bs=8)
     assert type(llm.engine.attn).__name__ == "HybridAttnBackend"
     assert llm.engine.graphs is not None  # both decode backends capture graphs
