@@ -33,8 +33,6 @@ from minisgl.plugins.specs import Unsupported
 
 Capability = tuple[int, int]
 
-GENERATIONS = (2, 3, 4)
-
 # What to install per generation (pinned where a set was run on real hardware; see the README).
 INSTALL_HINTS = {
     2: "pip install 'flash-attn>=2.6,<3' (builds from source against your torch)",
