@@ -75,10 +75,11 @@ def test_latencies_and_throughput_match_a_known_stream() -> None:
     assert rec["requests_with_usage"] == 4 and rec["output_token_count"] == "usage"
     assert rec["text_chunks"] == 20  # the opening role chunk carries no text
     ttft, tpot, itl, e2e = (rec[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
-    # Never below what the server waited; above it only by scheduling delays (loose: a busy 2-core machine).
+    # TTFT and E2E are never below what the server waited; the rest is scheduling delay (loose bounds:
+    # a busy 2-core machine). A late read of the first chunk can shorten a gap, hence the lower margins.
     assert 199 <= ttft["p50"] <= 300, ttft
-    assert 49 <= itl["p50"] <= 90, itl  # gaps between text chunks
-    assert 49 <= tpot["p50"] <= 90, tpot  # (last - first) / (5 - 1)
+    assert 35 <= itl["p50"] <= 90, itl  # gaps between text chunks
+    assert 35 <= tpot["p50"] <= 90, tpot  # (last - first) / (5 - 1)
     assert 399 <= e2e["p50"] <= 550, e2e
     assert ttft["p50"] <= ttft["p90"] <= ttft["p99"]
     # The definitions, exactly, on the recorded chunk times.
@@ -104,7 +105,7 @@ def test_output_tokens_come_from_usage_not_from_chunk_count() -> None:
     spans = [x.chunk_times[-1] - x.chunk_times[0] for x in result.results]
     assert rec["tpot_ms"]["mean"] == pytest.approx(statistics.fmean(spans) / 8 * 1000)
     assert rec["itl_ms"]["mean"] == pytest.approx(statistics.fmean(spans) / 2 * 1000)
-    assert 9.9 <= rec["tpot_ms"]["p50"] <= 20 and 39 <= rec["itl_ms"]["p50"] <= 80
+    assert 7 <= rec["tpot_ms"]["p50"] <= 20 and 28 <= rec["itl_ms"]["p50"] <= 80
 
 
 def test_without_usage_tokens_are_counted_by_chunks_or_max_tokens() -> None:
@@ -251,7 +252,7 @@ def test_requests_are_sent_on_the_poisson_schedule() -> None:
         seen = sorted(t - t0 for t in srv.arrivals)
     planned = arrival_times(12, 40.0, seed=3)
     for got, want in zip(seen, planned, strict=True):
-        assert want - 0.001 <= got <= want + 0.05, (seen, planned)
+        assert want - 0.001 <= got <= want + 0.1, (seen, planned)
 
 
 def test_fixed_concurrency_never_exceeds_n_in_flight() -> None:
