@@ -1,8 +1,10 @@
-"""Compile the XQA decode modules the plugin's GPU tests and benchmark use, all in one parallel ninja run.
+"""Compile the XQA decode modules the plugin's GPU tests and benchmark use, all at once.
 
 FlashInfer compiles one XQA module per (dtype, page size, head_dim, query heads per KV
-head) on first use, one at a time; building the whole list up front lets ninja use
-every core. Later calls find the modules built (``~/.cache/flashinfer``) and only load them.
+head) on first use, one at a time, each from a few large CUDA files. Building every
+module of the list concurrently (one ninja per module, so one failure stops no other)
+keeps the machine's cores busy. Later calls find the modules built (``~/.cache/flashinfer``)
+and only load them.
 
     python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -28,18 +31,25 @@ XQA_SHAPES = [
 
 
 def main() -> int:
-    from flashinfer.jit.core import build_jit_specs
     from flashinfer.jit.xqa import gen_xqa_module
 
-    specs = [gen_xqa_module(dt, dt, ps, d, group, False, dt) for dt, ps, d, group in XQA_SHAPES]
+    def build(shape: tuple[torch.dtype, int, int, int]) -> str:
+        dt, ps, d, group = shape
+        t0 = time.perf_counter()
+        try:
+            gen_xqa_module(dt, dt, ps, d, group, False, dt).build(verbose=False)
+        except Exception as exc:  # the tests then compile it on demand and report what fails
+            return f"PREBUILD xqa {shape} FAILED after {time.perf_counter() - t0:.0f}s: {type(exc).__name__}: {exc}"
+        return f"PREBUILD xqa {shape} built in {time.perf_counter() - t0:.0f}s"
+
     t0 = time.perf_counter()
-    try:
-        build_jit_specs(specs, verbose=False)
-    except Exception as exc:  # the tests then compile on demand (and report what fails)
-        print(f"PREBUILD xqa failed after {time.perf_counter() - t0:.0f}s: {type(exc).__name__}: {exc}", flush=True)
-        return 1
-    print(f"PREBUILD xqa: {len(specs)} modules in {time.perf_counter() - t0:.0f}s", flush=True)
-    return 0
+    with ThreadPoolExecutor(len(XQA_SHAPES)) as pool:
+        lines = list(pool.map(build, XQA_SHAPES))
+    for line in lines:
+        print(line, flush=True)
+    failed = sum("FAILED" in line for line in lines)
+    print(f"PREBUILD xqa: {len(lines) - failed} of {len(lines)} modules in {time.perf_counter() - t0:.0f}s", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

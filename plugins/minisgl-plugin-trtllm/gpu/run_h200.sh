@@ -29,7 +29,7 @@ wait $xqa_pid; echo "=== prebuild xqa: exit $? after $((SECONDS - t0))s" | tee -
 wait $fi_pid; echo "=== prebuild flashinfer: exit $? after $((SECONDS - t0))s" | tee -a $OUT/log.txt
 tail -n 3 $OUT/prebuild_xqa.log $OUT/prebuild_flashinfer.log | tee -a $OUT/log.txt
 
-step 300 python3 -m pytest -p no:cacheprovider -q -rA -s --junitxml=$OUT/junit.xml $HERE/tests
-step 120 python3 $HERE/gpu/bench_decode.py --out $OUT/bench.json
+step 240 python3 -m pytest -p no:cacheprovider -q -rA -s --junitxml=$OUT/junit.xml $HERE/tests
+step 90 python3 $HERE/gpu/bench_decode.py --out $OUT/bench.json
 echo "=== done in ${SECONDS}s" | tee -a $OUT/log.txt
-grep -h "RESULT\|BENCH\|PREBUILD\|WARMUP\|passed\|failed\|error" $OUT/log.txt | tail -n 60
+grep -h "RESULT\|BENCH\|PREBUILD\|WARMUP\|FAILED\|ERROR\| passed\| failed\|=== " $OUT/log.txt | tail -n 80

@@ -92,12 +92,13 @@ def visible_compute_capabilities() -> list[Capability]:
     NVML (no CUDA context; ``CUDA_VISIBLE_DEVICES`` applied by index), and torch
     as the last resort.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    loaded = sys.modules.get("torch")
+    if loaded is None or not loaded.cuda.is_initialized():
         caps = _nvml_capabilities()
         if caps is not None:
             return _only_visible(caps, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        import torch
+    import torch
+
     return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
 
 
