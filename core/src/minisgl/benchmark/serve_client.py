@@ -38,6 +38,8 @@ class RequestResult:
     usage_output_tokens: int | None = None
     usage_input_tokens: int | None = None
     error: str | None = None
+    reads: int = 0
+    """Socket reads of the response (fewer than chunks when several chunks arrive together)."""
     text_payloads: list[bytes] | None = None
     """The raw JSON of each text chunk, kept only when the caller needs the answer's text."""
 
@@ -198,6 +200,7 @@ class _Response(asyncio.Protocol):
         now = perf_counter()
         if self.done.done():
             return
+        self.result.reads += 1
         try:
             if self.head is not None:
                 data = self._read_head(data)
