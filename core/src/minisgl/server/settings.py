@@ -71,7 +71,9 @@ class ServeSettings(BaseSettings):
     # server
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(30000, ge=0, le=65535, description="port to listen on")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on every route but /health and /metrics"
+    )
     health_timeout: float = Field(5.0, gt=0, description="seconds /health and /metrics wait for the scheduler's answer")
     served_model_name: str | None = Field(None, description="model name in the API; default: the model's file name")
     shell: bool = Field(False, description="chat in this terminal instead of serving HTTP")
