@@ -13,6 +13,7 @@ import math
 import random
 import socket
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -422,13 +423,15 @@ def test_launch_starts_the_server_and_stops_its_whole_group(tmp_path: Path, monk
     assert serve.main([*argv, "--output", str(tmp_path), "--label", "launched"]) == 0
     record = json.loads((tmp_path / "launched.json").read_text())
     assert record["launch"]["command"] == cmd and record["launch"]["startup_s"] > 0
+    assert "log" not in record["launch"]  # removed when every request succeeded
     run_rec = record["runs"][0]
     assert run_rec["completed"] == 4 and run_rec["total_output_tokens"] == record["workload"]["max_tokens_total"]
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
 
 
-def test_launch_reports_a_server_that_dies_at_start(tmp_path: Path) -> None:
+def test_launch_reports_a_server_that_dies_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the kept server log goes
     cmd = f"{sys.executable} -c \"import sys; print('bad flag --frobnicate'); sys.exit(3)\""
     argv = ["--base-url", f"http://127.0.0.1:{_free_port()}", "--launch", cmd, "--tokenizer", "x"]
     with pytest.raises(SystemExit, match=r"exited with 3 before it was ready:\n.*bad flag --frobnicate"):

@@ -215,17 +215,22 @@ def _rate(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minisgl bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
-    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat", help="default: %(default)s")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as a bearer token")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, model directory, .gguf or dist:NAME")
-    p.add_argument("--workload", choices=("random", "shared-prefix", "long-prompt"), default="random")
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument(
+        "--workload",
+        choices=("random", "shared-prefix", "long-prompt"),
+        default="random",
+        help="random: the benchmark protocol's (default)",
+    )
+    p.add_argument("--num-requests", type=int, default=256, help="shared-prefix: users x turns (default: 256)")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt token ids (per workload)")
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="max_tokens (per workload)")
     p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns per user")
     p.add_argument("--system-len", type=int, default=2048, help="shared-prefix: system prompt token ids")
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--temperature", type=float, default=0.6, help="default: %(default)s")
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into every request")
     p.add_argument("--warmup", type=int, default=16, help="untimed requests shaped like the first ones")
     p.add_argument("--rate", type=_rate, nargs="+", default=[math.inf], help="requests/s (Poisson), or inf")
@@ -236,9 +241,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every run of a sweep sends the same text (default: runs after the first use other ids, same lengths)",
     )
-    p.add_argument("--fallback-count", choices=("chunks", "max-tokens"), default="chunks")
+    p.add_argument(
+        "--fallback-count",
+        choices=("chunks", "max-tokens"),
+        default="chunks",
+        help="output tokens of a stream without usage: its text chunks (default), or its max_tokens",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--launch", default=None, metavar="CMD", help="shell command that starts the server; stopped after")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds the launched server may take to start")
     p.add_argument("--label", default=None, help="name of the result (file name, plot legend)")
@@ -365,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
             with launched(args.launch, Target.from_url(args.base_url).url, args.launch_timeout) as launch:
                 record["launch"] = launch
                 runner.run(_bench(args, record))
+            log = Path(str(launch.pop("log")))
+            if any(r["errors"] for r in record["runs"]) or record.get("warmup", {}).get("errors"):
+                print(f"server log (requests failed): {log}", file=sys.stderr)
+            else:
+                log.unlink(missing_ok=True)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record['label']}.json"
