@@ -13,8 +13,8 @@ import math
 import random
 import socket
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
