@@ -121,6 +121,16 @@ class Server:
                 self.proc.wait()
         self._log.close()
 
+    def settled_metrics(self, timeout: float = 10.0) -> dict[str, float]:
+        """/metrics once no request runs or waits (the gauges follow the scheduler's heartbeat)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["minisgl_num_requests_running"] == 0 and m["minisgl_num_requests_waiting"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics."""
         text = httpx.get(self.url + "/metrics", timeout=10).text

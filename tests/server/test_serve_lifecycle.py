@@ -53,24 +53,68 @@ def stream_in_background(server: Server, body: dict[str, Any]) -> tuple[threadin
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_ends_requests_and_leaves_nothing_behind(tiny_model: Path, tmp_path: Path, signum: int) -> None:
-    server = start(tiny_model, tmp_path)
+    # A grace period long enough for the request in flight to finish even on a loaded machine.
+    server = start(tiny_model, tmp_path, "--shutdown-timeout", "60")
     try:
         workers = server.worker_pids()
-        assert set(workers) == {"scheduler-0", "tokenizer"}
+        assert set(workers) == {"scheduler-0", "tokenizer-0", "detokenizer"}
         assert set(workers.values()) <= set(child_pids(server.proc.pid))
         children = child_pids(server.proc.pid)
         sockets = list(server.tmpdir.iterdir())
         assert len(sockets) == 1 and sockets[0].name.startswith("minisgl-")
-        assert {p.name for p in sockets[0].iterdir()} >= {"scheduler.sock", "tokenizer.sock", "api.sock"}
+        names = {p.name for p in sockets[0].iterdir()}
+        assert names >= {"scheduler.sock", "tokenizer-0.sock", "detokenizer.sock", "api.sock"}
         body = {"prompt": "in flight", "max_tokens": 200, "ignore_eos": True, "stream": True}
         thread, result = stream_in_background(server, body)
         server.proc.send_signal(signum)
-        assert server.wait_exit(60) == 0, server.log
+        assert server.wait_exit(90) == 0, server.log
         thread.join(30)
         assert not thread.is_alive()  # the in-flight request ended
         assert result.get("status") == 200
+        assert result["text"].endswith("data: [DONE]\n\n")  # it finished within the grace period
+        assert '"finish_reason":"length"' in result["text"]
         assert wait_gone(children) == []
         assert list(server.tmpdir.iterdir()) == []  # the socket directory is removed
+        assert "Traceback" not in server.log
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_ends_what_outlasts_the_grace_period_with_an_error(
+    tiny_model: Path, tmp_path: Path, signum: int
+) -> None:
+    server = Server(
+        tiny_model, tmp_path, "--num-pages", "160", "--max-model-len", "1024", "--shutdown-timeout", "0.5"
+    ).wait_ready()
+    try:
+        long = {"prompt": "in flight", "max_tokens": 1000, "ignore_eos": True}
+        thread, streamed = stream_in_background(server, {**long, "stream": True})
+        plain: dict[str, Any] = {}
+
+        def post() -> None:
+            resp = httpx.post(server.url + "/v1/completions", json=long, timeout=60)
+            plain.update(status=resp.status_code, body=resp.json())
+
+        poster = threading.Thread(target=post, daemon=True)
+        poster.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health", timeout=10).json().get("running") != 2:  # both in flight
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signum)
+        # New requests are refused while the old ones drain.
+        assert server.wait_exit(60) == 0, server.log
+        thread.join(30)
+        poster.join(30)
+        assert streamed["status"] == 200
+        events = [e for e in streamed["text"].split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["message"].endswith("the server is shutting down")
+        assert plain["status"] == 503 and "shutting down" in plain["body"]["error"]["message"]
+        log = server.log
+        assert "Traceback" not in log, log
+        assert log.count("ending 2 requests still running after 0.5 s") == 1, log
     finally:
         server.stop()
 
@@ -97,7 +141,7 @@ def test_killed_scheduler_gives_503_and_the_server_exits(tiny_model: Path, tmp_p
         streaming.join(60)
         # A stream already under way ends with an error event (its status line was sent long ago).
         assert streamed["status"] == 200
-        assert '"code": "service_unavailable"' in streamed["text"] and streamed["text"].endswith("data: [DONE]\n\n")
+        assert '"code":"service_unavailable"' in streamed["text"] and streamed["text"].endswith("data: [DONE]\n\n")
         assert result["status"] == 503, result
         assert "scheduler-0" in result["body"]["error"]["message"]
         assert "signal 9" in result["body"]["error"]["message"]

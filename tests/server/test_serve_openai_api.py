@@ -188,7 +188,7 @@ def test_32_concurrent_streams(tiny_server: Server, client: Any, tiny_model: Pat
 
     texts = asyncio.run(run())
     assert texts == [expected[i % 4] for i in range(32)]
-    assert tiny_server.metrics()["minisgl_kv_pages_used"] == 0
+    assert tiny_server.settled_metrics()["minisgl_kv_pages_used"] == 0
 
 
 def test_disconnect_aborts_and_frees_pages(tiny_server: Server, tiny_model: Path) -> None:
@@ -199,8 +199,11 @@ def test_disconnect_aborts_and_frees_pages(tiny_server: Server, tiny_model: Path
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert all(line.startswith("data: {") or line == "" for line in got)
-        during = tiny_server.metrics()
-        assert during["minisgl_kv_pages_used"] > 0 and during["minisgl_num_requests_running"] == 1
+        deadline = time.monotonic() + 10  # the gauges follow the scheduler's heartbeat (every 0.5 s)
+        while (during := tiny_server.metrics())["minisgl_num_requests_running"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert during["minisgl_kv_pages_used"] > 0
     # The connection is closed mid-stream: the request is aborted and its pages come back.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -222,7 +225,8 @@ def test_non_streaming_client_that_leaves_is_aborted(tiny_server: Server, tiny_m
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         after = tiny_server.metrics()
-        if after["minisgl_requests_aborted_total"] > before["minisgl_requests_aborted_total"]:
+        aborted = after["minisgl_requests_aborted_total"] > before["minisgl_requests_aborted_total"]
+        if aborted and after["minisgl_kv_pages_used"] == 0 and after["minisgl_num_requests_running"] == 0:
             break
         time.sleep(0.2)
     assert after["minisgl_requests_aborted_total"] == before["minisgl_requests_aborted_total"] + 1
@@ -323,4 +327,4 @@ def test_unknown_route_is_404_in_openai_shape(tiny_server: Server) -> None:
 def test_server_still_healthy_after_errors(tiny_server: Server) -> None:
     resp = httpx.get(tiny_server.url + "/health")
     assert resp.status_code == 200 and resp.json()["status"] == "ok"
-    assert tiny_server.metrics()["minisgl_kv_pages_used"] == 0
+    assert tiny_server.settled_metrics()["minisgl_kv_pages_used"] == 0

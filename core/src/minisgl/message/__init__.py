@@ -2,14 +2,21 @@
 
 Every message is a small dataclass of plain values. :func:`encode` writes a
 message as a msgpack extension carrying the class tag and the field values in
-declaration order; :func:`decode` rebuilds it. Nested messages (a batch of
-token events) use the same extension, so the format needs no schema beyond
-the classes below.
+declaration order; :func:`decode` rebuilds it. The per-step messages
+(:class:`StepOutput`, :class:`OutputBatch`) are columnar: one list per field
+rather than one object per token, so a step of 256 tokens is one msgpack call
+with no per-token Python callbacks.
 
 Flow (rid = request id, an int chosen by the API server)::
 
-    API server --GenerateReq/AbortReq/StatsReq--> tokenizer --TokenizedReq/AbortReq/StatsReq--> scheduler
-    API server <--Accepted/RequestFailed/OutputBatch/Stats-- detokenizer <--Accepted/.../StepOutput/Stats-- scheduler
+    API --GenerateReq/AbortReq--> tokenizer i --TokenizedReq/AbortReq--> scheduler
+    API <--RequestFailed-- tokenizer i         (refused before reaching the scheduler)
+    scheduler --StepOutput--> detokenizer --OutputBatch--> API
+    detokenizer --StopReq--> scheduler         (a stop string ended the request)
+    every worker --WorkerStatus/Heartbeat--> launcher (in the API process)
+
+An abort travels through the tokenizer worker that took the request, behind it
+on the same sockets, so the scheduler never sees an abort before its request.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ _EXT_MESSAGE = 1
 
 @dataclass
 class GenerateReq:
-    """A new request from the API server. Exactly one of ``text``, ``messages``, ``input_ids`` is set."""
+    """A new request from the API server. Exactly one of ``text``, ``messages``, ``input_ids`` is set.
+
+    ``params`` is :meth:`SamplingParams.to_dict`, validated by the API server.
+    """
 
     rid: int
     params: dict[str, Any]
@@ -43,6 +53,14 @@ class TokenizedReq:
 
 
 @dataclass
+class TokenizerLimits:
+    """What a tokenizer worker checks before a request reaches the scheduler (sent once, first)."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
 class AbortReq:
     """Stop request ``rid`` now and free its KV pages (the client went away)."""
 
@@ -50,18 +68,10 @@ class AbortReq:
 
 
 @dataclass
-class StatsReq:
-    """Ask the scheduler for :class:`Stats`; ``token`` pairs the answer with the question."""
-
-    token: int
-
-
-@dataclass
-class Accepted:
-    """The scheduler queued request ``rid``; its prompt has ``prompt_tokens`` tokens."""
+class StopReq:
+    """Request ``rid`` hit a stop string (found by the detokenizer): finish it and free its pages."""
 
     rid: int
-    prompt_tokens: int
 
 
 @dataclass
@@ -74,68 +84,48 @@ class RequestFailed:
 
 
 @dataclass
-class TokenEventMsg:
-    """One new token of one request (scheduler -> detokenizer).
-
-    ``stop_token`` says the request ended on an EOS or stop token id, whose
-    text is not part of the output. ``top`` holds ``[token_id, logprob]`` pairs.
-    """
-
-    rid: int
-    token: int
-    finished: bool
-    finish_reason: str | None = None
-    stop_token: bool = False
-    cached_tokens: int = 0
-    logprob: float | None = None
-    top: list[list[Any]] | None = None
-
-
-@dataclass
 class StepOutput:
-    """Every token event of one scheduler step."""
+    """What one scheduler loop iteration tells the detokenizer.
 
-    events: list[TokenEventMsg] = field(default_factory=list)
-
-
-@dataclass
-class TokenOutput:
-    """New output of one request (detokenizer -> API server).
-
-    ``text`` is the new text (possibly empty while a multi-byte character or a
-    possible stop string is held back). ``logprobs`` holds, per new token,
-    ``[token_text, logprob, [[alt_text, alt_logprob], ...]]``.
+    ``rids[i]`` sampled ``tokens[i]``. ``finished`` lists ``[i, finish_reason,
+    stop_token, cached_tokens]`` for the events that ended their request
+    (``stop_token``: it ended on an EOS or stop token id, whose text is not
+    output). ``logprobs`` is None when no event carries any, else one
+    ``[logprob, [[token_id, logprob], ...]]`` or None per event. ``accepted``
+    lists ``[rid, prompt_tokens, stop_strings, skip_special_tokens,
+    wants_logprobs]`` for requests queued in this iteration (always before their
+    first event); ``failed`` lists ``[rid, field, message]``; ``dropped`` lists
+    requests ended without an event (aborted), whose state can go.
     """
 
-    rid: int
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: list[list[Any]] | None = None
+    rids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finished: list[list[Any]] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    accepted: list[list[Any]] = field(default_factory=list)
+    failed: list[list[Any]] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
 
 
 @dataclass
 class OutputBatch:
-    """Every :class:`TokenOutput` made from one scheduler step."""
+    """New output of several requests (detokenizer -> API server), columnar.
 
-    outputs: list[TokenOutput] = field(default_factory=list)
+    ``texts[i]`` is the new text of request ``rids[i]`` (possibly empty while a
+    multi-byte character or a possible stop string is held back) and
+    ``counts[i]`` its completion tokens so far. ``finished`` lists ``[i,
+    finish_reason, prompt_tokens, cached_tokens]``. ``logprobs`` is None when no
+    output carries any, else per output None or a list of ``[token_text,
+    logprob, [[alt_text, alt_logprob], ...]]``. ``failed`` lists ``[rid, field,
+    message]`` of requests the scheduler refused.
+    """
 
-
-@dataclass
-class Stats:
-    """Scheduler state for /health and /metrics."""
-
-    token: int
-    running: int
-    waiting: int
-    kv_pages_used: int  # owned by live requests
-    kv_pages_cached: int  # owned by the prefix cache
-    kv_pages_total: int
-    page_size: int
-    max_model_len: int
+    rids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    finished: list[list[Any]] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    failed: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -153,19 +143,31 @@ class WorkerStatus:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Heartbeat:
+    """A worker is alive (sent every half second by a thread of its own).
+
+    ``busy_for`` is how long the worker has been inside its current unit of work
+    (an engine step), 0 between them; ``state`` holds worker-specific gauges (the
+    scheduler's running and waiting requests and KV pages).
+    """
+
+    worker: str
+    busy_for: float = 0.0
+    state: dict[str, Any] = field(default_factory=dict)
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     GenerateReq,
     TokenizedReq,
+    TokenizerLimits,
     AbortReq,
-    StatsReq,
-    Accepted,
+    StopReq,
     RequestFailed,
-    TokenEventMsg,
     StepOutput,
-    TokenOutput,
     OutputBatch,
-    Stats,
     WorkerStatus,
+    Heartbeat,
 )
 _TAGS: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in MESSAGE_TYPES}

@@ -41,8 +41,8 @@ class ReplicatedScheduler(Scheduler):
         self._pending.append(["add", req.rid, req.input_ids, params.to_dict()])
         return req
 
-    def abort(self, rid: int) -> Req | None:
-        req = super().abort(rid)
+    def abort(self, rid: int, reason: str = "abort") -> Req | None:
+        req = super().abort(rid, reason)
         if req is not None:
             self._pending.append(["abort", rid])
         return req

@@ -106,8 +106,8 @@ class Scheduler:
             self._lockstep_reqs += 1
         return req
 
-    def abort(self, rid: int) -> Req | None:
-        """Finish request ``rid`` now ("abort"), returning its pages. None if unknown or done."""
+    def abort(self, rid: int, reason: str = "abort") -> Req | None:
+        """Finish request ``rid`` now (with ``reason``), returning its pages. None if unknown or done."""
         req = self._by_rid.get(rid)
         if req is None or req.is_finished:
             return None
@@ -116,7 +116,7 @@ class Scheduler:
         else:
             self.running.remove(req)
             self.kv.release(req)
-        self._finish(req, "abort")
+        self._finish(req, reason)
         return req
 
     @property

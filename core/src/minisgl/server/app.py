@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..core import SamplingParams, ValidationError
-from ..message import GenerateReq
+from ..message import GenerateReq, TokenizerLimits
 from .client import EngineClient, ServerGone
 from .limits import RequestGuard, RequestLimits
 from .metrics import ServerMetrics
@@ -26,15 +25,33 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
 from .settings import ServeSettings
 
+if TYPE_CHECKING:
+    from .launcher import Health
+
 logger = logging.getLogger("minisgl.server")
 
 
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator, so an abandoned stream aborts its jobs at once."""
+class SSEResponse(Response):
+    """A server-sent-event stream, sent chunk by chunk; always closes its body iterator, so an
+    abandoned stream aborts its jobs at once. Disconnects are watched by the request's
+    :class:`~minisgl.server.serving.Generation`, not by a task of the response per chunk."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]):
+        self.status_code = 200
+        self.background = None
+        self.body_iterator = body
+        self.init_headers(headers)  # no body attribute: no Content-Length
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the connection broke under a write
+            pass
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
@@ -80,17 +97,29 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {err['msg']} (got {got})", param=param)
 
 
+class WorkerMonitor(Protocol):
+    """What the app needs of the launcher (see :class:`minisgl.server.launcher.Launcher`)."""
+
+    tokenizers: list[str]
+
+    def check(self) -> str | None:
+        """Why the workers can no longer serve, or None."""
+
+    def health(self, silence: float, stall: float) -> Health:
+        """The workers' heartbeats, judged."""
+
+
 def create_app(
-    settings: ServeSettings, addresses: dict[str, str], info: dict[str, Any], check_workers: Callable[[], str | None]
+    settings: ServeSettings, addresses: dict[str, str], info: dict[str, Any], workers: WorkerMonitor
 ) -> FastAPI:
-    """The application for one server; ``check_workers`` says why the workers can no longer serve, or None."""
+    """The application for one server, whose worker processes ``workers`` watches."""
     model_name = settings.model_name
     metrics = ServerMetrics(model_name)
-    client = EngineClient(addresses, metrics)
+    client = EngineClient(addresses, metrics, workers.tokenizers)
 
     async def watch_workers(app: FastAPI) -> None:
         while True:
-            reason = check_workers()
+            reason = workers.check()
             if reason is not None:
                 logger.error("%s; shutting down", reason)
                 client.fail_all(reason)
@@ -102,10 +131,36 @@ def create_app(
                 return
             await asyncio.sleep(0.2)
 
+    async def drain(grace: float) -> None:
+        """Let the requests in flight finish for ``grace`` seconds, then end the rest with an error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        if client.in_flight:
+            logger.info("shutting down: waiting up to %g s for %d requests in flight", grace, client.in_flight)
+        while client.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if client.in_flight:
+            logger.warning("shutting down: ending %d requests still running after %g s", client.in_flight, grace)
+            client.fail_all("the server is shutting down")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await client.start()
+        loop = asyncio.get_running_loop()
+        limits = None
+        if info.get("max_model_len") and info.get("vocab_size"):
+            limits = TokenizerLimits(int(info["max_model_len"]), int(info["vocab_size"]))
+        await client.start(limits)
         watcher = asyncio.create_task(watch_workers(app))
+
+        def begin_drain() -> None:
+            def start() -> None:
+                if not app.state.draining:
+                    app.state.draining = True
+                    app.state.drainer = asyncio.create_task(drain(settings.shutdown_timeout))
+
+            loop.call_soon_threadsafe(start)
+
+        app.state.begin_drain = begin_drain
         yield
         watcher.cancel()
         await client.close()
@@ -113,6 +168,7 @@ def create_app(
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
     app.state.exit_code = 0
     app.state.server = None
+    app.state.draining = False
     app.state.client = client
     app.state.metrics = metrics
     created = int(time.time())
@@ -153,12 +209,14 @@ def create_app(
             )
 
     async def respond(request: Request, jobs: list[Job], shape: ResponseShape, stream: bool, field: str) -> Response:
-        gen = Generation(client, request, jobs, prompt_field=field)
+        if app.state.draining:
+            raise gone_error("the server is shutting down")
+        gen = Generation(client, request.receive, jobs, prompt_field=field)
         try:
             await gen.start()
             if stream:
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                return SSEResponse(stream_events(gen, shape), media_type="text/event-stream", headers=headers)
+                return SSEResponse(stream_events(gen, shape), headers=headers)
             return JSONResponse(await collect(gen, shape))
         except ServerGone as exc:
             raise gone_error(str(exc)) from None
@@ -211,26 +269,19 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        wait = settings.health_timeout
-        try:
-            stats = await client.stats(timeout=wait)
-        except ServerGone as exc:
-            return _error(APIError(503, f"not ready: {exc}", "server_error", code="service_unavailable"))
-        except TimeoutError:
-            if client.in_flight:
-                # The scheduler answers between steps: one long step (a big prefill on a CPU) with
-                # requests in flight is work, not a hang. A dead scheduler is ServerGone instead.
-                return JSONResponse({"status": "busy", "model": model_name, "in_flight": client.in_flight})
-            reason = f"the scheduler did not answer within {wait:g} s"
-            return _error(APIError(503, f"not ready: {reason}", "server_error", code="service_unavailable"))
-        metrics.update(stats)
-        return JSONResponse({"status": "ok", "model": model_name, "running": stats.running, "waiting": stats.waiting})
+        report = workers.health(settings.health_timeout, settings.stall_timeout)
+        metrics.update(report.scheduler)
+        problem = "the server is shutting down" if app.state.draining else report.problem
+        if problem is not None:
+            return _error(APIError(503, f"not ready: {problem}", "server_error", code="service_unavailable"))
+        state = report.scheduler
+        running, waiting = state.get("running", 0), state.get("waiting", 0)
+        return JSONResponse({"status": "ok", "model": model_name, "running": running, "waiting": waiting})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        # Still serve the counters when the scheduler does not answer; the gauges keep their last values.
-        with contextlib.suppress(ServerGone, TimeoutError):
-            metrics.update(await client.stats(timeout=settings.health_timeout))
+        # The gauges come from the scheduler's last heartbeat (at most half a second old).
+        metrics.update(workers.health(settings.health_timeout, settings.stall_timeout).scheduler)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

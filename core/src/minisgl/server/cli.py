@@ -29,11 +29,14 @@ def preflight(settings: ServeSettings) -> list[str]:
     from ..config import EngineConfig
     from ..core import ValidationError
     from ..plugins import UnknownComponentError, load_plugins
+    from .engine_build import device_defaults
 
     fields = settings.engine_fields()
     device = fields["device"]
+    check_device = "cpu" if device == "auto" else device
+    limits = {k: v for k, v in device_defaults(check_device).items() if fields.get(k) is None}
     try:
-        EngineConfig(**{**fields, "device": "cpu" if device == "auto" else device})
+        EngineConfig(**{**fields, **limits, "device": check_device})
     except ValidationError as exc:
         raise PreflightError(f"{_flag_for_engine_field(exc.field)}: {exc.message}") from None
     if not (settings.load_format == "dummy" and settings.hf_config_path):

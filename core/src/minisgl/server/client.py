@@ -1,9 +1,12 @@
-"""The API server's side of the ZMQ link: submit requests, route outputs back to them.
+"""The API server's side of the ZMQ links: submit requests, route outputs back to them.
 
-One reader task receives every message from the detokenizer and puts it on
-the queue of the request it belongs to; handlers await their own queue. When
-a worker dies, :meth:`EngineClient.fail_all` wakes every waiting handler with
-:class:`ServerGone`.
+Requests go to the least busy tokenizer worker (fewest requests sent to it
+whose first output has not come back yet); an abort follows its request
+through the same worker, so it can never overtake it. One reader task receives
+every :class:`~minisgl.message.OutputBatch` from the detokenizer and hands each
+output to the :class:`Sink` of its request (a job of one HTTP request) without
+allocating anything per token. When a worker dies, :meth:`EngineClient.fail_all`
+wakes every waiting request with the reason.
 """
 
 from __future__ import annotations
@@ -11,62 +14,62 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
-from ..message import (
-    AbortReq,
-    Accepted,
-    GenerateReq,
-    OutputBatch,
-    RequestFailed,
-    Stats,
-    StatsReq,
-    TokenOutput,
-    decode,
-    encode,
-)
+from ..message import AbortReq, GenerateReq, OutputBatch, RequestFailed, TokenizerLimits, decode, encode
 from .metrics import ServerMetrics
 
 
 class ServerGone(RuntimeError):
-    """A worker process died; the server cannot answer any more."""
+    """A worker process died, or the server is shutting down; the request cannot be answered."""
 
 
-@dataclass
-class RequestStream:
-    """Messages for one request, in arrival order."""
+class Sink(Protocol):
+    """Where the outputs of one request go (see :class:`minisgl.server.serving.Job`)."""
 
-    rid: int
-    queue: asyncio.Queue[Any]
-    start: float = field(default_factory=time.monotonic)
-    last: float | None = None
-    done: bool = False
+    submitted: float  # time.monotonic() when it was sent
+    last: float | None  # when its last output arrived
+
+    def on_output(self, text: str, count: int, logprobs: list[Any] | None, end: list[Any] | None) -> None:
+        """New text (and ``count`` completion tokens so far); ``end`` is ``[reason, prompt_tokens, cached]``."""
+
+    def on_failed(self, field: str, message: str) -> None:
+        """The request was refused before it ran."""
+
+    def on_gone(self, reason: str) -> None:
+        """The server can no longer answer."""
 
 
 class EngineClient:
-    """Sends requests to the tokenizer and receives their outputs from the detokenizer."""
+    """Sends requests to the tokenizer workers and receives their outputs from the detokenizer."""
 
-    def __init__(self, addresses: dict[str, str], metrics: ServerMetrics):
+    def __init__(self, addresses: dict[str, str], metrics: ServerMetrics, tokenizers: list[str]):
         self.addresses = addresses
         self.metrics = metrics
-        self.streams: dict[int, RequestStream] = {}
-        self._stats: dict[int, asyncio.Future[Stats]] = {}
+        self.tokenizers = tokenizers
+        self.sinks: dict[int, Sink] = {}
+        self._first: dict[int, int] = {}  # rid -> tokenizer worker, until its first output arrives
+        self._route: dict[int, int] = {}  # rid -> tokenizer worker, while it runs
+        self._load = [0] * len(tokenizers)
         self._rids = itertools.count(1)
-        self._tokens = itertools.count(1)
         self.gone: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._reader: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def start(self, limits: TokenizerLimits | None = None) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.connect(self.addresses["tokenizer"])
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.addresses["api"])
+        self._pushes = []
+        for name in self.tokenizers:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(self.addresses[name])
+            if limits is not None:
+                await sock.send(encode(limits))  # first on the socket: before any request
+            self._pushes.append(sock)
         self._reader = asyncio.create_task(self._read())
 
     async def close(self) -> None:
@@ -78,82 +81,94 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         """Requests submitted and not finished yet."""
-        return sum(1 for s in self.streams.values() if not s.done)
+        return len(self.sinks)
 
     # ------------------------------------------------------------ requests
     def new_rid(self) -> int:
         return next(self._rids)
 
-    async def submit(self, req: GenerateReq, queue: asyncio.Queue[Any]) -> RequestStream:
-        """Send ``req``; its messages will arrive on ``queue`` (shared by the choices of one HTTP request)."""
+    async def submit(self, req: GenerateReq, sink: Sink) -> None:
+        """Send ``req``; its outputs will go to ``sink``."""
         if self.gone is not None:
             raise ServerGone(self.gone)
-        stream = RequestStream(req.rid, queue)
-        self.streams[req.rid] = stream
-        await self._push.send(encode(req))
-        return stream
+        worker = min(range(len(self._load)), key=self._load.__getitem__)
+        self._load[worker] += 1
+        self._first[req.rid] = worker
+        self._route[req.rid] = worker
+        self.sinks[req.rid] = sink
+        await self._pushes[worker].send(encode(req))
 
     async def abort(self, rid: int) -> None:
-        stream = self.streams.pop(rid, None)
-        if stream is not None and not stream.done and self.gone is None:
+        """Stop request ``rid`` (its KV pages are freed); nothing more arrives for it."""
+        sink = self.sinks.pop(rid, None)
+        self._started(rid)
+        worker = self._route.pop(rid, None)
+        if sink is not None and worker is not None and self.gone is None:
             self.metrics.aborted.inc()
-            await self._push.send(encode(AbortReq(rid)))
+            await self._pushes[worker].send(encode(AbortReq(rid)))
 
     def release(self, rid: int) -> None:
-        self.streams.pop(rid, None)
+        """Forget a request that finished or was refused."""
+        self.sinks.pop(rid, None)
+        self._route.pop(rid, None)
+        self._started(rid)
 
-    async def stats(self, timeout: float = 5.0) -> Stats:
-        """The scheduler's current state (a round trip through every worker)."""
-        if self.gone is not None:
-            raise ServerGone(self.gone)
-        token = next(self._tokens)
-        fut: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
-        self._stats[token] = fut
-        try:
-            await self._push.send(encode(StatsReq(token)))
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._stats.pop(token, None)
+    def _started(self, rid: int) -> None:
+        worker = self._first.pop(rid, None)
+        if worker is not None:
+            self._load[worker] -= 1
 
     def fail_all(self, reason: str) -> None:
         """Wake every waiting request with :class:`ServerGone`."""
         self.gone = reason
-        for stream in self.streams.values():
-            stream.queue.put_nowait(ServerGone(reason))
-        for fut in self._stats.values():
-            if not fut.done():
-                fut.set_exception(ServerGone(reason))
+        for sink in list(self.sinks.values()):
+            sink.on_gone(reason)
 
     # -------------------------------------------------------------- reader
     async def _read(self) -> None:
         while True:
             msg = decode(await self._pull.recv())
-            now = time.monotonic()
             if isinstance(msg, OutputBatch):
-                for out in msg.outputs:
-                    self._deliver(out, now)
-            elif isinstance(msg, (Accepted, RequestFailed)):
-                stream = self.streams.get(msg.rid)
-                if isinstance(msg, Accepted):
-                    self.metrics.prompt_tokens.inc(msg.prompt_tokens)
-                if stream is not None:
-                    stream.queue.put_nowait(msg)
-            elif isinstance(msg, Stats):
-                fut = self._stats.get(msg.token)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+                self._deliver(msg)
+                for rid, field, message in msg.failed:
+                    self._fail(rid, field, message)
+            elif isinstance(msg, RequestFailed):
+                self._fail(msg.rid, msg.field, msg.message)
 
-    def _deliver(self, out: TokenOutput, now: float) -> None:
-        stream = self.streams.get(out.rid)
-        if stream is None:
-            return
-        self.metrics.generation_tokens.inc(len(out.token_ids))
-        if stream.last is None:
-            self.metrics.ttft.observe(now - stream.start)
-        else:
-            self.metrics.itl.observe(now - stream.last)
-        stream.last = now
-        if out.finished:
-            stream.done = True
-            self.metrics.finished.labels(out.finish_reason or "unknown").inc()
-        stream.queue.put_nowait(out)
+    def _fail(self, rid: int, field: str, message: str) -> None:
+        sink = self.sinks.pop(rid, None)
+        self._route.pop(rid, None)
+        self._started(rid)
+        if sink is not None:
+            sink.on_failed(field, message)
+
+    def _deliver(self, batch: OutputBatch) -> None:
+        now = time.monotonic()
+        sinks = self.sinks
+        ends = {e[0]: e for e in batch.finished}
+        lps = batch.logprobs
+        metrics = self.metrics
+        first = self._first
+        delivered = 0
+        for i, (rid, text, count) in enumerate(zip(batch.rids, batch.texts, batch.counts, strict=True)):
+            sink = sinks.get(rid)
+            if sink is None:
+                continue
+            delivered += 1
+            if rid in first:
+                self._started(rid)
+            if sink.last is None:
+                metrics.ttft.observe(now - sink.submitted)
+            else:
+                metrics.itl.observe(now - sink.last)
+            sink.last = now
+            end = ends.get(i)
+            if end is not None:
+                del sinks[rid]
+                self._route.pop(rid, None)
+                metrics.finished.labels(end[1] or "unknown").inc()
+                metrics.prompt_tokens.inc(end[2])
+                end = end[1:]
+            sink.on_output(text, count, lps[i] if lps is not None else None, end)
+        if delivered:
+            metrics.generation_tokens.inc(delivered)

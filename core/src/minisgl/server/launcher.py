@@ -30,8 +30,9 @@ from types import FrameType
 from typing import Any
 
 import zmq
+from uvicorn import Config, Server
 
-from ..message import WorkerStatus, decode
+from ..message import Heartbeat, WorkerStatus, decode
 from .process import pack_args
 from .settings import ServeSettings
 
@@ -52,16 +53,27 @@ class Worker:
     process: Any  # multiprocessing.Process (spawn context)
 
 
+@dataclass
+class Health:
+    """What the workers' heartbeats say: ``problem`` is None when every worker is alive and making progress."""
+
+    problem: str | None
+    scheduler: dict[str, Any]
+
+
 class Launcher:
-    """Owns the socket directory and the worker processes."""
+    """Owns the socket directory and the worker processes, and follows their heartbeats."""
 
     def __init__(self, settings: ServeSettings, plugins: list[str]):
         self.settings = settings
         self.plugins = plugins
         self.socket_dir = make_socket_dir()
+        cpus = os.cpu_count() or 2
+        count = settings.tokenizer_workers or max(1, min(4, cpus // 4))
+        self.tokenizers = [f"tokenizer-{i}" for i in range(count)]
         self.addresses = {
             name: f"ipc://{os.path.join(self.socket_dir, name)}.sock"
-            for name in ("api", "tokenizer", "detokenizer", "scheduler", "status")
+            for name in ("api", *self.tokenizers, "detokenizer", "scheduler", "status")
         }
         self.workers: list[Worker] = []
         self._ctx = zmq.Context()
@@ -69,9 +81,11 @@ class Launcher:
         self._status.bind(self.addresses["status"])
         self.info: dict[str, Any] = {}
         self.failure: str | None = None
+        self._beats: dict[str, tuple[float, Heartbeat | None]] = {}  # worker -> (when, last heartbeat)
 
     def start(self) -> dict[str, Any]:
         """Spawn every worker and wait until all are ready; the scheduler's model info."""
+        from ..tokenizer.detokenizer import detokenizer_main
         from ..tokenizer.worker import tokenizer_main
         from .scheduler_worker import scheduler_main
 
@@ -79,25 +93,31 @@ class Launcher:
         engine = {**self.settings.engine_fields(), "plugins": self.plugins}
         # Rank 0 starts the other tensor-parallel ranks itself and owns them (they follow its every step).
         self._spawn(ctx, "scheduler-0", scheduler_main, {"addresses": self.addresses, "engine": engine, "rank": 0})
-        self._spawn(ctx, "tokenizer", tokenizer_main, {"addresses": self.addresses, "model": self.settings.model})
+        for name in self.tokenizers:
+            args = {"addresses": self.addresses, "model": self.settings.model, "name": name}
+            self._spawn(ctx, name, tokenizer_main, args)
+        self._spawn(ctx, "detokenizer", detokenizer_main, {"addresses": self.addresses, "model": self.settings.model})
         logger.info("workers: %s", ", ".join(f"{w.name} pid={w.process.pid}" for w in self.workers))
         pending = {w.name for w in self.workers}
         while pending:
-            status = self._next_status(0.2)
-            if status is not None:
-                if status.state == "error":
-                    logger.debug("%s failed:\n%s", status.worker, status.detail)
-                    raise StartupError(f"{status.worker} process failed to start: {status.error}")
-                pending.discard(status.worker)
-                if status.worker == "scheduler-0":
-                    self.info = status.info
+            msg = self._next_status(0.2)
+            if isinstance(msg, WorkerStatus):
+                if msg.state == "error":
+                    logger.debug("%s failed:\n%s", msg.worker, msg.detail)
+                    raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
+                pending.discard(msg.worker)
+                self._beats[msg.worker] = (time.monotonic(), None)
+                if msg.worker == "scheduler-0":
+                    self.info = msg.info
+                continue
+            if msg is not None:
                 continue
             dead = self.dead_worker()
             if dead is not None:
                 # Its error report may still be in flight: give it a moment.
-                status = self._next_status(1.0)
-                if status is not None and status.state == "error":
-                    raise StartupError(f"{status.worker} process failed to start: {status.error}")
+                msg = self._next_status(1.0)
+                if isinstance(msg, WorkerStatus) and msg.state == "error":
+                    raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
                 raise StartupError(dead)
         return self.info
 
@@ -106,10 +126,12 @@ class Launcher:
         proc.start()
         self.workers.append(Worker(name, proc))
 
-    def _next_status(self, timeout: float) -> WorkerStatus | None:
+    def _next_status(self, timeout: float) -> WorkerStatus | Heartbeat | None:
         if self._status.poll(int(timeout * 1000)):
             msg = decode(self._status.recv())
-            if isinstance(msg, WorkerStatus):
+            if isinstance(msg, Heartbeat):
+                self._beats[msg.worker] = (time.monotonic(), msg)
+            if isinstance(msg, WorkerStatus | Heartbeat):
                 return msg
         return None
 
@@ -123,14 +145,31 @@ class Launcher:
         return None
 
     def check(self) -> str | None:
-        """Why the server can no longer serve (a worker died or reported a fatal error), or None."""
+        """Why the server can no longer serve (a worker died or reported a fatal error), or None.
+
+        Also takes in every heartbeat that arrived since the last call (see :meth:`health`).
+        """
+        while (msg := self._next_status(0)) is not None:
+            if self.failure is None and isinstance(msg, WorkerStatus) and msg.state == "error":
+                self.failure = f"the {msg.worker} process failed: {msg.error}"
         if self.failure is None:
-            status = self._next_status(0)
-            if status is not None and status.state == "error":
-                self.failure = f"the {status.worker} process failed: {status.error}"
-            else:
-                self.failure = self.dead_worker()
+            self.failure = self.dead_worker()
         return self.failure
+
+    def health(self, silence: float, stall: float) -> Health:
+        """Whether every worker sent a heartbeat within ``silence`` seconds and no step has run ``stall`` seconds."""
+        now = time.monotonic()
+        scheduler: dict[str, Any] = {}
+        problem = self.check()
+        for name, (when, beat) in self._beats.items():
+            quiet = now - when
+            if problem is None and quiet > silence:
+                problem = f"the {name} process has not reported for {quiet:.1f} s (stopped or hung)"
+            if name == "scheduler-0" and beat is not None:
+                scheduler = beat.state
+                if problem is None and beat.busy_for > stall:
+                    problem = f"the engine has been inside one step for {beat.busy_for:.0f} s (stalled)"
+        return Health(problem, scheduler)
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self.workers if w.process.pid is not None]
@@ -211,6 +250,25 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
+class _DrainingServer(Server):
+    """uvicorn's server, with the first SIGINT/SIGTERM starting the app's drain (see ``create_app``).
+
+    uvicorn then stops listening and waits for open requests; the app lets them run for
+    ``--shutdown-timeout`` seconds and ends the rest with a proper error.
+    """
+
+    def __init__(self, config: Config, app: Any):
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            begin = getattr(self.app.state, "begin_drain", None)
+            if begin is not None:
+                begin()  # thread-safe: this runs in a signal handler
+        super().handle_exit(sig, frame)
+
+
 def serve(settings: ServeSettings, plugins: list[str]) -> int:
     """Run the server until SIGINT/SIGTERM (exit 0) or a worker failure (exit 1)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -223,20 +281,21 @@ def serve(settings: ServeSettings, plugins: list[str]) -> int:
     try:
         logger.info("loading %s", settings.model)
         info = launcher.start()
-        logger.info("model ready: %s", info)
+        logger.info("model ready: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
         import uvicorn
 
         from .app import create_app
 
-        app = create_app(settings, launcher.addresses, info, launcher.check)
+        app = create_app(settings, launcher.addresses, info, launcher)
         config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
-            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
+            # A backstop only: the app itself ends what is left when the grace period is over.
+            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout) + 5),
         )
-        server = uvicorn.Server(config)
+        server = _DrainingServer(config, app)
         app.state.server = server
         server.run()
         return int(app.state.exit_code)

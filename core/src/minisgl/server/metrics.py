@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Any
 
-from ..message import Stats
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -20,7 +20,7 @@ class ServerMetrics:
         self.kv_used = Gauge("minisgl_kv_pages_used", "KV cache pages owned by live requests", registry=r)
         self.kv_cached = Gauge("minisgl_kv_pages_cached", "KV cache pages held by the prefix cache", registry=r)
         self.kv_total = Gauge("minisgl_kv_pages_total", "Usable KV cache pages", registry=r)
-        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter(
             "minisgl_requests_finished", "Finished requests by finish reason", ["finish_reason"], registry=r
@@ -41,12 +41,18 @@ class ServerMetrics:
         info = Gauge("minisgl_model_info", "The served model", ["model"], registry=r)
         info.labels(model_name).set(1)
 
-    def update(self, stats: Stats) -> None:
-        self.running.set(stats.running)
-        self.waiting.set(stats.waiting)
-        self.kv_used.set(stats.kv_pages_used)
-        self.kv_cached.set(stats.kv_pages_cached)
-        self.kv_total.set(stats.kv_pages_total)
+    def update(self, state: dict[str, Any]) -> None:
+        """Set the gauges from the scheduler's heartbeat state (kept as they are when it has none)."""
+        gauges = {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_pages_used": self.kv_used,
+            "kv_pages_cached": self.kv_cached,
+            "kv_pages_total": self.kv_total,
+        }
+        for key, gauge in gauges.items():
+            if key in state:
+                gauge.set(state[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,19 +9,26 @@ when the launcher process disappears, so no worker outlives the server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import msgpack
 import zmq
 
-from ..message import WorkerStatus, encode
+from ..message import Heartbeat, WorkerStatus, encode
+
+# Seconds between two heartbeats of a worker (see StatusReporter.start_heartbeat).
+HEARTBEAT_S = 0.5
+
+Probe = Callable[[], tuple[float, dict[str, Any]]]
 
 
 def pack_args(args: dict[str, Any]) -> bytes:
@@ -70,13 +77,57 @@ class ParentWatch:
 
 
 class StatusReporter:
-    """Sends :class:`WorkerStatus` messages to the launcher."""
+    """Sends :class:`WorkerStatus` messages and heartbeats to the launcher."""
 
     def __init__(self, ctx: zmq.Context, address: str, worker: str):
         self.worker = worker
+        self.ctx = ctx
+        self.address = address
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(address)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def start_heartbeat(self, probe: Probe | None = None, interval: float = HEARTBEAT_S) -> None:
+        """Send a :class:`Heartbeat` every ``interval`` seconds from a thread of its own.
+
+        The thread runs while the main thread is inside a long computation (kernels release the
+        GIL), and stops with the process, so a stopped or dead worker falls silent.
+        ``probe`` returns ``(busy_for, state)``: how long the current unit of work has run, and gauges.
+        """
+
+        def run() -> None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            try:
+                while not self._stop.is_set():
+                    self._wake.wait(interval)
+                    self._wake.clear()
+                    if self._stop.is_set():
+                        break
+                    busy, state = probe() if probe is not None else (0.0, {})
+                    with contextlib.suppress(zmq.Again):  # the launcher is not reading: skip this beat
+                        sock.send(encode(Heartbeat(self.worker, busy, state)), zmq.NOBLOCK)
+            except zmq.ZMQError:  # the context is going away with the process
+                pass
+            finally:
+                sock.close(0)
+
+        self._beat = threading.Thread(target=run, name=f"{self.worker}-heartbeat", daemon=True)
+        self._beat.start()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (the state just changed in a way watchers care about)."""
+        self._wake.set()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._beat is not None:
+            self._beat.join(2.0)
 
     def ready(self, **info: Any) -> None:
         self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info)))
@@ -102,6 +153,7 @@ def worker_process(worker: str, status_address: str) -> Iterator[tuple[zmq.Conte
         finally:
             traceback.print_exc(file=sys.stderr)
     finally:
+        reporter.stop_heartbeat()
         ctx.destroy(linger=2000)
     if code:
         sys.exit(code)

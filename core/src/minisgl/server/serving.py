@@ -1,10 +1,13 @@
 """Running one HTTP request's generations and shaping them as OpenAI responses.
 
 An HTTP request becomes one or more *jobs* (``n`` choices, several completion
-prompts), all sent to the workers at once and answered on one queue. The
-response starts only when every job is accepted, so a refused job (prompt too
-long, ...) is a plain 400 even for a streaming request. Whatever ends the
-request early (client gone, error) aborts the jobs still running, which frees
+prompts), all sent to the workers at once. The response starts only when every
+job has produced its first output, so a refused job (prompt too long, ...) is a
+plain 400 even for a streaming request. Outputs land in their job as they
+arrive (no queue entry per token); the response wakes once for everything that
+arrived since it last looked and sends it as one chunk per job, so a response
+that falls behind catches up in fewer, larger chunks. Whatever ends the request
+early (client gone, error, shutdown) aborts the jobs still running, which frees
 their KV pages.
 """
 
@@ -18,10 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
+from starlette.types import Message, Receive
 
-from ..message import Accepted, GenerateReq, RequestFailed, TokenOutput
-from .client import EngineClient, ServerGone
+from ..message import GenerateReq
+from .client import EngineClient
 
 
 class APIError(Exception):
@@ -50,34 +53,59 @@ class ClientGone(Exception):
     """The HTTP client disconnected."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One generation: choice ``index`` of prompt ``prompt_index``."""
+    """One generation: choice ``index`` of prompt ``prompt_index``; the client's reader fills it in."""
 
     req: GenerateReq
     index: int
     prompt_index: int
+    gen: Generation | None = None
     prompt_tokens: int = 0
-    text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    pieces: list[str] = field(default_factory=list)  # text not yet sent (all of it, when not streaming)
+    logprobs: list[list[Any]] = field(default_factory=list)  # entries not yet sent
     finish_reason: str | None = None
-    logprobs: list[list[Any]] = field(default_factory=list)
     finished: bool = False
+    finish_sent: bool = False
+    started: bool = False  # its first output arrived
+    failure: tuple[str, str] | None = None  # (field, message) when refused
+    dirty: bool = False  # has output the response has not looked at
+    submitted: float = 0.0
+    last: float | None = None
 
     @property
     def rid(self) -> int:
         return self.req.rid
 
-    def add(self, out: TokenOutput) -> None:
-        self.text.append(out.text)
-        self.completion_tokens = out.completion_tokens
-        self.cached_tokens = out.cached_tokens
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        if out.finished:
+    def on_output(self, text: str, count: int, logprobs: list[Any] | None, end: list[Any] | None) -> None:
+        self.started = True
+        if text:
+            self.pieces.append(text)
+        self.completion_tokens = count
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        if end is not None:
             self.finished = True
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.prompt_tokens, self.cached_tokens = end
+        assert self.gen is not None
+        self.gen.notify(self)
+
+    def on_failed(self, field: str, message: str) -> None:
+        self.failure = (field, message)
+        self.finished = True  # refused: nothing to abort
+        assert self.gen is not None
+        self.gen.notify(self)
+
+    def on_gone(self, reason: str) -> None:
+        assert self.gen is not None
+        self.gen.notify_gone(reason)
+
+    def take_text(self) -> str:
+        text = "".join(self.pieces)
+        self.pieces.clear()
+        return text
 
 
 def usage(jobs: list[Job]) -> dict[str, Any]:
@@ -93,77 +121,92 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
     }
 
 
-# How often a request's handler checks that its HTTP client is still there (seconds): a client
-# that leaves frees its KV pages within about this long.
-DISCONNECT_CHECK_S = 0.25
-
-
 class Generation:
-    """The jobs of one HTTP request and the queue their messages arrive on."""
+    """The jobs of one HTTP request, woken when any of them has news."""
 
-    def __init__(self, client: EngineClient, request: Request, jobs: list[Job], *, prompt_field: str):
+    def __init__(self, client: EngineClient, receive: Receive, jobs: list[Job], *, prompt_field: str):
         self.client = client
-        self.request = request
-        self.jobs = {j.rid: j for j in jobs}
+        self.receive = receive
         self.order = jobs
         self.prompt_field = prompt_field
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._early: list[TokenOutput] = []
-        self._check_at = time.monotonic() + DISCONNECT_CHECK_S
+        self.wake = asyncio.Event()
+        self.dirty: list[Job] = []
+        self.client_gone = False
+        self.server_gone: str | None = None
+        self._watch: asyncio.Task[None] | None = None
+        for job in jobs:
+            job.gen = self
 
-    async def _next(self) -> Any:
+    # Called by the client's reader task.
+    def notify(self, job: Job) -> None:
+        if not job.dirty:
+            job.dirty = True
+            self.dirty.append(job)
+        self.wake.set()
+
+    def notify_gone(self, reason: str) -> None:
+        self.server_gone = reason
+        self.wake.set()
+
+    async def _watch_disconnect(self) -> None:
+        """Wait for the client to hang up (one task per request, no polling)."""
         while True:
-            # Outputs may arrive without pause for a long time: look for a gone client regularly regardless.
-            now = time.monotonic()
-            if now >= self._check_at:
-                self._check_at = now + DISCONNECT_CHECK_S
-                if await self.request.is_disconnected():
-                    raise ClientGone()
-            try:
-                msg = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK_S)
-            except TimeoutError:
-                continue
-            if isinstance(msg, ServerGone):
-                raise gone_error(str(msg))
-            return msg
+            message: Message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.client_gone = True
+                self.wake.set()
+                return
+
+    async def wait(self) -> None:
+        """Wait for news; raise if the client or the server is gone."""
+        self.wake.clear()
+        await self.wake.wait()
+        self._check()
+
+    def _check(self) -> None:
+        if self.client_gone:
+            raise ClientGone()
+        if self.server_gone is not None:
+            raise gone_error(self.server_gone)
 
     async def start(self) -> None:
-        """Submit every job and wait until all are accepted (or one is refused: :class:`APIError`)."""
+        """Submit every job and wait until each has its first output (or one is refused: :class:`APIError`)."""
+        self._watch = asyncio.create_task(self._watch_disconnect())
         try:
+            now = time.monotonic()
             for job in self.order:
-                await self.client.submit(job.req, self.queue)
-            pending = set(self.jobs)
-            while pending:
-                msg = await self._next()
-                if isinstance(msg, Accepted):
-                    self.jobs[msg.rid].prompt_tokens = msg.prompt_tokens
-                    pending.discard(msg.rid)
-                elif isinstance(msg, RequestFailed):
-                    self.jobs[msg.rid].finished = True  # refused: nothing to abort
-                    param = self.prompt_field if msg.field == "prompt" else msg.field
-                    raise APIError(400, f"{param}: {msg.message}", param=param)
-                elif isinstance(msg, TokenOutput):
-                    self._early.append(msg)  # another job's output, ahead of this one's acceptance
+                job.submitted = now
+                await self.client.submit(job.req, job)
+            while True:
+                self._check()
+                failed = next((j for j in self.order if j.failure is not None), None)
+                if failed is not None:
+                    field, message = failed.failure  # type: ignore[misc]
+                    param = self.prompt_field if field == "prompt" else field
+                    raise APIError(400, f"{param}: {message}", param=param)
+                if all(j.started for j in self.order):
+                    return
+                await self.wait()
         except BaseException:
             await self.close()
             raise
 
-    async def outputs(self) -> AsyncIterator[tuple[Job, TokenOutput]]:
-        """Every output, in arrival order, until all jobs are finished."""
-        for out in self._early:
-            job = self.jobs[out.rid]
-            job.add(out)
-            yield job, out
-        self._early = []
-        while not all(j.finished for j in self.order):
-            msg = await self._next()
-            if isinstance(msg, TokenOutput) and msg.rid in self.jobs:
-                job = self.jobs[msg.rid]
-                job.add(msg)
-                yield job, msg
+    async def updates(self) -> list[Job]:
+        """The jobs with output not yet looked at (waiting for some); [] once all are finished and seen."""
+        while not self.dirty:
+            if all(j.finished for j in self.order):
+                return []
+            await self.wait()
+        self._check()
+        jobs, self.dirty = self.dirty, []
+        for job in jobs:
+            job.dirty = False
+        return jobs
 
     async def close(self) -> None:
         """Abort unfinished jobs (their pages are freed) and forget the rest."""
+        if self._watch is not None:
+            self._watch.cancel()
         for job in self.order:
             if job.finished:
                 self.client.release(job.rid)
@@ -175,8 +218,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else _dumps(data)}\n\n"
 
 
 # --------------------------------------------------------------- logprobs
@@ -212,6 +259,13 @@ class ResponseShape:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
+        # A streamed chunk is this head, the choice, and the tail: only the choice changes.
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (
+            f'data: {{"id":{_dumps(self.id)},"object":"{kind}","created":{self.created},'
+            f'"model":{_dumps(model)},"choices":[{{"index":'
+        )
+        self._tail = "}]" + (',"usage":null' if include_usage else "") + "}\n\n"
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -220,7 +274,7 @@ class ResponseShape:
     def full(self, jobs: list[Job]) -> dict[str, Any]:
         choices = []
         for job in sorted(jobs, key=lambda j: j.index):
-            text = "".join(job.text)
+            text = job.take_text()
             lp = None
             if self.want_logprobs:
                 lp = chat_logprobs(job.logprobs) if self.chat else completion_logprobs(job.logprobs, 0)
@@ -233,56 +287,59 @@ class ResponseShape:
             choices.append(choice)
         return {**self._envelope(choices, False), "usage": usage(jobs)}
 
-    def first_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
+    def first_chunks(self, jobs: list[Job]) -> str:
         if not self.chat:
-            return []
-        return [self.chunk(j.index, {"role": "assistant", "content": ""}, None, None) for j in jobs]
+            return ""
+        return "".join(self._chunk(j.index, '{"role":"assistant","content":""}', None, None) for j in jobs)
 
-    def chunk(self, index: int, delta: Any, lp: Any, finish_reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        choice.update(logprobs=lp, finish_reason=finish_reason)
-        out = self._envelope([choice], True)
-        if self.include_usage:
-            out["usage"] = None
-        return out
+    def _chunk(self, index: int, delta: str, lp: Any, finish_reason: str | None) -> str:
+        key = '"delta":' if self.chat else '"text":'
+        lp_json = "null" if lp is None else _dumps(lp)
+        finish = "null" if finish_reason is None else _dumps(finish_reason)
+        return f'{self._head}{index},{key}{delta},"logprobs":{lp_json},"finish_reason":{finish}{self._tail}'
 
-    def output_chunk(self, job: Job, out: TokenOutput) -> dict[str, Any] | None:
+    def job_chunk(self, job: Job) -> str:
+        """One chunk with everything new of ``job`` (empty if there is nothing to send)."""
+        text = job.take_text()
         lp = None
-        if self.want_logprobs and out.logprobs:
+        if self.want_logprobs and job.logprobs:
+            entries, job.logprobs = job.logprobs, []
             if self.chat:
-                lp = chat_logprobs(out.logprobs)
+                lp = chat_logprobs(entries)
             else:
                 offset = self._offsets.get(job.index, 0)
-                lp = completion_logprobs(out.logprobs, offset)
-                self._offsets[job.index] = offset + sum(len(t) for t, _, _ in out.logprobs)
-        if not out.text and lp is None and not out.finished:
-            return None  # text held back (partial character or possible stop string)
-        delta: Any = ({"content": out.text} if out.text else {}) if self.chat else out.text
-        return self.chunk(job.index, delta, lp, out.finish_reason if out.finished else None)
+                lp = completion_logprobs(entries, offset)
+                self._offsets[job.index] = offset + sum(len(t) for t, _, _ in entries)
+        finish = None
+        if job.finished and not job.finish_sent:
+            job.finish_sent = True
+            finish = job.finish_reason
+        if not text and lp is None and finish is None:
+            return ""  # text held back (partial character or possible stop string)
+        if self.chat:
+            delta = '{"content":' + _dumps(text) + "}" if text else "{}"
+        else:
+            delta = _dumps(text)
+        return self._chunk(job.index, delta, lp, finish)
 
     def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
         return {**self._envelope([], True), "usage": usage(jobs)}
 
 
-async def stream_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[str]:
+async def stream_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[bytes]:
     """The SSE body of a streaming response; aborts unfinished jobs however it ends."""
     try:
-        for c in shape.first_chunks(gen.order):
-            yield sse(c)
-        async for job, out in gen.outputs():
-            chunk = shape.output_chunk(job, out)
-            if chunk is not None:
-                yield sse(chunk)
-        if shape.include_usage:
-            yield sse(shape.usage_chunk(gen.order))
-        yield sse("[DONE]")
-    except APIError as exc:  # the workers died mid-stream: the status line is already sent
-        yield sse(exc.body())
-        yield sse("[DONE]")
+        first = shape.first_chunks(gen.order)
+        if first:
+            yield first.encode()
+        while jobs := await gen.updates():
+            body = "".join(shape.job_chunk(job) for job in jobs)
+            if body:
+                yield body.encode()
+        tail = sse(shape.usage_chunk(gen.order)) if shape.include_usage else ""
+        yield (tail + sse("[DONE]")).encode()
+    except APIError as exc:  # the workers died or the server is shutting down: the status line is sent
+        yield (sse(exc.body()) + sse("[DONE]")).encode()
     except ClientGone:
         pass
     finally:
@@ -292,8 +349,8 @@ async def stream_events(gen: Generation, shape: ResponseShape) -> AsyncIterator[
 async def collect(gen: Generation, shape: ResponseShape) -> dict[str, Any]:
     """The whole (non-streaming) response."""
     try:
-        async for _ in gen.outputs():
-            pass
+        while not all(j.finished for j in gen.order):
+            await gen.wait()
     finally:
         await gen.close()
     return shape.full(gen.order)

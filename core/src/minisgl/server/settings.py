@@ -25,7 +25,7 @@ FLAG_ALIASES = {"attn": ["--attention-backend"], "cache": ["--prefix-cache"]}
 FLAG_NAMES = {"hf_config_path": "--model-config"}
 SERVER_ONLY = {
     "host", "port", "api_key", "served_model_name", "shell", "log_level", "shutdown_timeout", "health_timeout",
-    "max_request_bytes", "max_prompts", "max_n",
+    "max_request_bytes", "max_prompts", "max_n", "stall_timeout", "tokenizer_workers",
 }  # fmt: skip
 
 
@@ -47,9 +47,13 @@ class ServeSettings(BaseSettings):
         "auto", description="weight and activation dtype; auto = float32 on CPU, the model's dtype on GPU"
     )
     device: str = Field("auto", description="cpu, cuda or cuda:N; auto = cuda when a GPU is visible")
-    max_running_requests: int = Field(64, ge=1, description="most requests decoded together")
-    chunked_prefill_size: int = Field(
-        512, ge=1, description="prompt tokens computed per step (longer prompts are split)"
+    max_running_requests: int | None = Field(
+        None, ge=1, description="most requests decoded together; default: 256 on a GPU, 64 on CPU"
+    )
+    chunked_prefill_size: int | None = Field(
+        None,
+        ge=1,
+        description="prompt tokens computed per step (longer prompts are split); default: 8192 on a GPU, 512 on CPU",
     )
     max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
     num_pages: int | None = Field(None, ge=2, description="KV cache pages; default: sized from memory")
@@ -74,11 +78,21 @@ class ServeSettings(BaseSettings):
     api_key: str | None = Field(
         None, description="require 'Authorization: Bearer KEY' on every route but /health and /metrics"
     )
-    health_timeout: float = Field(5.0, gt=0, description="seconds /health and /metrics wait for the scheduler's answer")
+    health_timeout: float = Field(
+        5.0, gt=0, description="seconds a worker may go without a heartbeat before /health reports it stopped or hung"
+    )
+    stall_timeout: float = Field(
+        120.0, gt=0, description="seconds one engine step may run before /health reports the engine stalled"
+    )
+    tokenizer_workers: int | None = Field(
+        None, ge=1, le=64, description="tokenizer processes; default: one per 4 CPU cores, 1 to 4"
+    )
     served_model_name: str | None = Field(None, description="model name in the API; default: the model's file name")
     shell: bool = Field(False, description="chat in this terminal instead of serving HTTP")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
-    shutdown_timeout: float = Field(5.0, ge=0, description="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    shutdown_timeout: float = Field(
+        5.0, ge=0, description="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended"
+    )
     # request limits (see minisgl.server.limits)
     max_request_bytes: int = Field(
         2 * 2**20, ge=1024, description="largest request body in bytes; a larger one is refused (413) unread"

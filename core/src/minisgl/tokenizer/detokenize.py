@@ -4,11 +4,15 @@ Decoding token by token breaks multi-byte characters and merges (a token's
 text can depend on the token before it), so each step decodes a short window:
 the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]`` is the new
 text. A window that ends in an incomplete character (U+FFFD) is held back until
-the next token completes it.
+the next token completes it. Fast tokenizers do this in Rust
+(``tokenizers.decoders.DecodeStream``, about 1 us a token); others through
+two ``decode`` calls a token in Python.
 
 Stop strings: text that could still become a stop string is held back, and the
 output is cut where a stop string begins, so a streamed response never shows
-text past a stop and equals the non-streamed one.
+text past a stop and equals the non-streamed one. Since held-back text is the
+only text a stop string can start in, only that text is searched: the work per
+token is bounded by the stop strings' length, not the output's.
 """
 
 from __future__ import annotations
@@ -17,72 +21,135 @@ from collections.abc import Sequence
 from typing import Any
 
 _INCOMPLETE = "\ufffd"
+# Tokens of context before the held-back ones when flushing: enough for any merge to settle.
+_FLUSH_CONTEXT = 4
+
+
+class _WindowDecoder:
+    """New text per token from two ``tokenizer.decode`` calls (any tokenizer)."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens whose text was returned
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def step(self, token: int) -> str | None:
+        """The text ``token`` completes, or None while it ends in a partial character."""
+        self.ids.append(token)
+        window = self._decode(self.ids[self._prefix :])
+        if window.endswith(_INCOMPLETE):
+            return None
+        return self._advance(window)
+
+    def _advance(self, window: str) -> str:
+        before = self._decode(self.ids[self._prefix : self._read])
+        self._prefix, self._read = self._read, len(self.ids)
+        return window[len(before) :]
+
+    def flush(self) -> str:
+        """Text of the tokens still held back (a partial character shows as U+FFFD)."""
+        if self._read == len(self.ids):
+            return ""
+        return self._advance(self._decode(self.ids[self._prefix :]))
+
+
+class _StreamDecoder:
+    """New text per token from ``tokenizers``' Rust ``DecodeStream`` (fast tokenizers)."""
+
+    def __init__(self, backend: Any, stream_cls: Any, tokenizer: Any, skip_special_tokens: bool):
+        self.backend = backend
+        self.stream = stream_cls(skip_special_tokens=skip_special_tokens)
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._read = 0
+
+    def step(self, token: int) -> str | None:
+        self.ids.append(token)
+        piece = self.stream.step(self.backend, token)
+        if piece is not None:
+            self._read = len(self.ids)
+        return piece
+
+    def flush(self) -> str:
+        if self._read == len(self.ids):
+            return ""
+        start = max(0, self._read - _FLUSH_CONTEXT)
+        before = self.tokenizer.decode(self.ids[start : self._read], skip_special_tokens=self.skip)
+        window = self.tokenizer.decode(self.ids[start:], skip_special_tokens=self.skip)
+        self._read = len(self.ids)
+        return window[len(before) :]
+
+
+def _piece_decoder(tokenizer: Any, skip_special_tokens: bool) -> _WindowDecoder | _StreamDecoder:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # tokenizers < 0.21
+            pass
+        else:
+            return _StreamDecoder(backend, DecodeStream, tokenizer, skip_special_tokens)
+    return _WindowDecoder(tokenizer, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
     """The output text of one request, produced a token at a time."""
 
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens whose text is already in self.text
-        self.text = ""  # decoded text so far (cut at a stop string once one is seen)
-        self._sent = 0  # characters of self.text already returned
+        self._pieces = _piece_decoder(tokenizer, skip_special_tokens)
+        self._held = ""  # decoded text not returned yet: it may start a stop string
         self.stopped = False  # a stop string was found; later tokens add nothing
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token: int, *, final: bool = False) -> str:
         """Add ``token``; return the text that can be shown now."""
-        if not self.stopped:
-            self.ids.append(token)
-            window = self._decode(self.ids[self._prefix :])
-            if not window.endswith(_INCOMPLETE) or final:
-                before = self._decode(self.ids[self._prefix : self._read])
-                self.text += window[len(before) :]
-                self._prefix, self._read = self._read, len(self.ids)
-                self._apply_stop()
-        return self._take(final)
+        if self.stopped:
+            return ""
+        piece = self._pieces.step(token)
+        if piece is None and final:
+            piece = self._pieces.flush()
+        if piece:
+            self._held += piece
+        return self._release(final)
 
     def finish(self) -> str:
         """Text still held back when the request ends."""
-        if not self.stopped and self._read < len(self.ids):
-            before = self._decode(self.ids[self._prefix : self._read])
-            self.text += self._decode(self.ids[self._prefix :])[len(before) :]
-            self._read = len(self.ids)
-            self._apply_stop()
-        return self._take(True)
+        if self.stopped:
+            return ""
+        self._held += self._pieces.flush()
+        return self._release(True)
 
-    def _apply_stop(self) -> None:
+    def _release(self, final: bool) -> str:
+        held = self._held
         if not self.stop:
-            return
-        # Only the new text (plus a stop string's length before it) can hold a new match.
-        start = max(0, self._sent - max(len(s) for s in self.stop))
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+            self._held = ""
+            return held
+        cut = min((i for i in (held.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
             self.stopped = True
-
-    def _take(self, final: bool) -> str:
-        end = len(self.text)
-        if not final and not self.stopped and self.stop:
-            end -= _partial_stop_len(self.text, self.stop)
-        end = max(end, self._sent)
-        out = self.text[self._sent : end]
-        self._sent = end
-        return out
+            self._held = ""
+            return held[:cut]
+        keep = 0 if final else _partial_stop_len(held, self.stop)
+        self._held = held[len(held) - keep :] if keep else ""
+        return held[: len(held) - keep]
 
 
 def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that is the start of a stop string."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        # Candidates start where s's first character occurs in the last len(s) - 1 characters;
+        # the leftmost match is the longest.
+        i = text.find(s[0], max(0, len(text) - len(s) + 1))
+        while i != -1 and len(text) - i > best:
+            if s.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(s[0], i + 1)
     return best

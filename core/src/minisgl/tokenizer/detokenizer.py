@@ -1,0 +1,128 @@
+"""The detokenizer process: token ids from the scheduler become text for the API server.
+
+It learns of each request when the scheduler queues it (``StepOutput.accepted``:
+prompt length, stop strings, whether logprobs were asked for), turns every
+step's tokens into new text, and applies stop strings: a request whose output
+reaches one is finished here at once, and the scheduler is told to free it
+(:class:`~minisgl.message.StopReq`), so stop strings are checked in this one
+process only. One Rust call per token with a fast tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ..message import OutputBatch, StepOutput, StopReq, encode, recv_all
+from .detokenize import IncrementalDetokenizer
+
+
+@dataclass
+class _Live:
+    """What the detokenizer keeps for one request."""
+
+    detok: IncrementalDetokenizer | None
+    logprobs: bool
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+
+class DetokenizerService:
+    """Turns :class:`StepOutput` into :class:`OutputBatch`; no sockets, so it is testable on its own."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.live: dict[int, _Live] = {}
+
+    def process(self, step: StepOutput) -> tuple[OutputBatch, list[int]]:
+        """The outputs of one step, and the requests a stop string finished (the scheduler must free them)."""
+        tok = self.tokenizer
+        for rid, prompt_tokens, stop, skip_special, logprobs in step.accepted:
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special, stop=stop) if tok else None
+            self.live[rid] = _Live(detok, bool(logprobs), int(prompt_tokens))
+        out = OutputBatch(failed=step.failed)
+        ends = {e[0]: e for e in step.finished}
+        stopped: list[int] = []
+        want_lp = step.logprobs is not None
+        lps: list[Any] = []
+        live_map = self.live
+        for i, (rid, token) in enumerate(zip(step.rids, step.tokens, strict=True)):
+            live = live_map.get(rid)
+            if live is None:  # aborted, or already finished by a stop string
+                continue
+            live.completion_tokens += 1
+            end = ends.get(i)
+            reason: str | None = None
+            text = ""
+            detok = live.detok
+            if detok is not None:
+                if end is not None and end[2]:  # ended on a stop token: its own text is not output
+                    text = detok.finish()
+                else:
+                    text = detok.push(token, final=end is not None)
+                if detok.stopped:
+                    reason = "stop"
+                    if end is None:
+                        stopped.append(rid)  # still running in the scheduler
+            if reason is None and end is not None:
+                reason = end[1]
+            if reason is not None:
+                del live_map[rid]
+                cached = int(end[3]) if end is not None else 0
+                out.finished.append([len(out.rids), reason, live.prompt_tokens, cached])
+            out.rids.append(rid)
+            out.texts.append(text)
+            out.counts.append(live.completion_tokens)
+            if want_lp:
+                entry = step.logprobs[i] if live.logprobs else None  # type: ignore[index]
+                lps.append(self._logprob_entry(token, entry) if entry is not None else None)
+        if want_lp:
+            out.logprobs = lps
+        for rid in step.dropped:
+            live_map.pop(rid, None)
+        for rid, _, _ in step.failed:
+            live_map.pop(rid, None)
+        return out, stopped
+
+    def _logprob_entry(self, token: int, entry: list[Any]) -> list[Any]:
+        logprob, top = entry
+        return [[self._token_text(token), float(logprob), [[self._token_text(int(t)), float(lp)] for t, lp in top]]]
+
+    def _token_text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token}>"
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
+
+def detokenizer_main(launch: bytes) -> None:
+    """Entry point of the detokenizer process (see :mod:`minisgl.server.launcher`)."""
+    from ..server.process import ParentWatch, unpack_args, worker_process
+
+    args = unpack_args(launch)
+    addr = args["addresses"]
+    with worker_process("detokenizer", addr["status"]) as (ctx, status):
+        from ..models import ModelSource, load_tokenizer
+
+        service = DetokenizerService(load_tokenizer(ModelSource.from_path(args["model"])))
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(addr["detokenizer"])
+        to_api = ctx.socket(zmq.PUSH)
+        to_api.connect(addr["api"])
+        to_sched = ctx.socket(zmq.PUSH)
+        to_sched.connect(addr["scheduler"])
+        status.ready()
+        status.start_heartbeat()
+        watch = ParentWatch()
+        while not (watch.due() and watch.parent_gone()):
+            if not inbox.poll(200):
+                continue
+            for msg in recv_all(inbox):
+                if not isinstance(msg, StepOutput):
+                    continue
+                batch, stopped = service.process(msg)
+                if batch.rids or batch.failed:
+                    to_api.send(encode(batch))
+                for rid in stopped:
+                    to_sched.send(encode(StopReq(rid)))
