@@ -83,6 +83,9 @@ def warmup_workload(work: Workload) -> Workload:
 
 
 def _git_commit() -> str:
+    """The commit measured: ``MINISGL_COMMIT`` when set (a copied tree's git metadata may be stale), else git's."""
+    if os.environ.get("MINISGL_COMMIT"):
+        return os.environ["MINISGL_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -100,7 +103,7 @@ def _git_commit() -> str:
         ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MINISGL_COMMIT", "unknown")
+        return "unknown"
 
 
 def _machine(device: str) -> dict[str, Any]:
