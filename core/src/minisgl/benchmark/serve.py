@@ -212,6 +212,13 @@ def _rate(text: str) -> float:
     return rate
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minisgl bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
@@ -225,16 +232,16 @@ def _parser() -> argparse.ArgumentParser:
         default="random",
         help="random: the benchmark protocol's (default)",
     )
-    p.add_argument("--num-requests", type=int, default=256, help="shared-prefix: users x turns (default: 256)")
+    p.add_argument("--num-requests", type=_positive, default=256, help="shared-prefix: users x turns (default: 256)")
     p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt token ids (per workload)")
     p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="max_tokens (per workload)")
-    p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns per user")
+    p.add_argument("--turns", type=_positive, default=4, help="shared-prefix: turns per user")
     p.add_argument("--system-len", type=int, default=2048, help="shared-prefix: system prompt token ids")
     p.add_argument("--temperature", type=float, default=0.6, help="default: %(default)s")
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into every request")
     p.add_argument("--warmup", type=int, default=16, help="untimed requests shaped like the first ones")
     p.add_argument("--rate", type=_rate, nargs="+", default=[math.inf], help="requests/s (Poisson), or inf")
-    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="at most N requests in flight")
+    p.add_argument("--concurrency", type=_positive, nargs="+", default=None, help="at most N requests in flight")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     p.add_argument(
         "--reuse-prompts",
@@ -358,6 +365,7 @@ def _row(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``minisgl bench serve`` with ``argv`` (default: the command line); write the JSON record."""
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     record: dict[str, Any] = {
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["minisgl", "bench", "serve", *argv]),
         "commit": _git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {**_machine("cuda"), "event_loop": _event_loop_name()},
+        "machine": None,  # filled in after the runs, so that querying the GPU cannot disturb a server starting up
     }
     with _runner() as runner:
         if args.launch is None:
@@ -380,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"server log (requests failed): {log}", file=sys.stderr)
             else:
                 log.unlink(missing_ok=True)
+    record["machine"] = {**_machine("cuda"), "event_loop": _event_loop_name()}
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record['label']}.json"

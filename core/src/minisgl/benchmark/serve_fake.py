@@ -247,6 +247,7 @@ def fake_server_thread(script: Script, model: str = "fake-model") -> Iterator[Fa
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve in step mode until interrupted (``python -m minisgl.benchmark.serve_fake``)."""
     p = argparse.ArgumentParser(description="stream one-token chunks in engine-like steps (client ceiling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30001)

@@ -67,6 +67,7 @@ def plot(files: list[Path], out: Path, title: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``minisgl bench plot`` with ``argv`` (default: the command line)."""
     p = argparse.ArgumentParser(prog="minisgl bench plot", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="JSON results of minisgl bench serve")
     p.add_argument("-o", "--output", type=Path, default=Path("serve.png"), help="PNG to write")

@@ -66,10 +66,12 @@ class Workload:
 
     @property
     def num_requests(self) -> int:
+        """Requests in all: every turn of every conversation."""
         return sum(len(c.turns) for c in self.conversations)
 
     @property
     def max_tokens_total(self) -> int:
+        """Output tokens asked for over all requests."""
         return sum(t.max_tokens for c in self.conversations for t in c.turns)
 
     @property
