@@ -42,13 +42,14 @@ def test_only_directories_of_servers_that_are_gone_are_removed(tmp_path: Path, m
     dead = _fake_dir(tmp_path, "minisgl-dead", f"{_dead_pid()} 12345")
     reused = _fake_dir(tmp_path, "minisgl-reused", f"{me} {int(_start_time(me)) + 1}")  # same pid, another process
     live = _fake_dir(tmp_path, "minisgl-live", f"{me} {_start_time(me)}")
+    live_pid_only = _fake_dir(tmp_path, "minisgl-live-pid-only", f"{me}")
     unknown = _fake_dir(tmp_path, "minisgl-nopid", None)  # not ours to judge: kept
     other = _fake_dir(tmp_path, "other-dead", f"{_dead_pid()} 1")
 
     new = Path(make_socket_dir())
 
     assert not dead.exists() and not reused.exists()
-    assert live.exists() and unknown.exists() and other.exists()
+    assert live.exists() and live_pid_only.exists() and unknown.exists() and other.exists()
     assert new.parent == tmp_path and new.name.startswith("minisgl-")
     assert (new / "pid").read_text().split() == [str(me), _start_time(me)]
     assert oct(new.stat().st_mode & 0o777) == oct(0o700)

@@ -213,7 +213,7 @@ def make_socket_dir() -> str:
             except PermissionError:
                 pass
             return f"{pid} ?"
-        return None if fields[0] in "ZX" else f"{pid} {fields[19]}"
+        return None if fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
 
     for old in Path(tempfile.gettempdir()).glob("minisgl-*"):
         try:
@@ -226,7 +226,7 @@ def make_socket_dir() -> str:
         if not pid.isdigit():
             continue
         current = identity(int(pid))
-        if current is None or (start != "?" and current != f"{pid} {start}"):
+        if current is None or (start not in ("", "?") and current != f"{pid} {start}"):
             logger.info("removing %s, left behind by server process %s (no longer running)", old, pid)
             shutil.rmtree(old, ignore_errors=True)
     path = tempfile.mkdtemp(prefix="minisgl-")
