@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
 cat .peer/VERSION | tee -a "$OUT/log.txt"
 PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"  # never on one path with this project: both are 'minisgl'
 BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate inf 32 8 --warmup 16 --no-progress --output $OUT"
-step 300 $BENCH --label online-peer --base-url http://127.0.0.1:1919 --launch-timeout 240 --launch \
+step 300 $BENCH --label online-peer --fallback-count max-tokens --base-url http://127.0.0.1:1919 --launch-timeout 240 --launch \
   "$PEER_ENV python3 -m minisgl --model-path .peer/model --dummy-weight --port 1919 --attention-backend fi --page-size 1 --cuda-graph-max-bs 256 --max-seq-len-override 4096"
 step 200 $BENCH --label online-minisgl --base-url http://127.0.0.1:30000 --launch-timeout 180 --launch \
   "python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning"
