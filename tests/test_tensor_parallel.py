@@ -77,6 +77,7 @@ def test_killed_rank_fails_fast_and_leaves_no_process(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), tp=2)
     try:
         (proc,) = llm._ranks.procs
+        assert _rank_children() == [proc.pid]  # what _assert_no_rank_processes looks for
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         start = time.monotonic()
@@ -88,13 +89,27 @@ def test_killed_rank_fails_fast_and_leaves_no_process(tmp_path: Path) -> None:
     _assert_no_rank_processes()
 
 
-def _assert_no_rank_processes() -> None:
-    import multiprocessing
+def _rank_children() -> list[int]:
+    """Live rank processes (``python -m minisgl.scheduler.tp_rank``) started by this process."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"minisgl.scheduler.tp_rank" in cmdline:
+            out.append(int(entry.name))
+    return out
 
+
+def _assert_no_rank_processes() -> None:
     deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
+    while _rank_children() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("minisgl-tp-")]
+    assert _rank_children() == []
 
 
 def test_two_nodes_on_loopback_equal_tp1(tmp_path: Path) -> None:

@@ -122,3 +122,42 @@ def test_serve_refuses_a_busy_port(tmp_path: Path) -> None:
         out = run_cli("serve", "--model", str(tmp_path), "--port", str(s.getsockname()[1]))
     assert out.returncode == 2
     assert "cannot listen on 127.0.0.1:" in out.stderr
+
+
+def test_likely_device_reads_the_torch_build_and_the_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device auto`` is resolved for the preflight checks without importing torch."""
+    import importlib.util
+
+    from minisgl.server import engine_build
+
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("torch", pkg / "__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (pkg / "version.py").write_text("cuda: Optional[str] = None\n")
+    assert engine_build.likely_device() == "cpu"
+    (pkg / "version.py").write_text("__version__ = '2.11.0'\ncuda: Optional[str] = '13.0'\n")
+    gpus = tmp_path / "gpus"
+    assert engine_build.likely_device(gpus) is None  # a CUDA build and no driver listing: unsure
+    gpus.mkdir()
+    assert engine_build.likely_device(gpus) == "cpu"  # the driver lists no GPU
+    (gpus / "0000:00:05.0").mkdir()
+    assert engine_build.likely_device(gpus) == "cuda"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert engine_build.likely_device(gpus) == "cpu"
+
+
+def test_a_backend_that_cannot_run_here_fails_before_any_worker_starts(tmp_path: Path) -> None:
+    """``--attn flashinfer`` with the default ``--device auto`` on a CPU-only torch: refused with the reason."""
+    from minisgl.server.engine_build import likely_device
+
+    if likely_device() != "cpu":
+        pytest.skip("needs a machine whose torch runs on the CPU")
+    pytest.importorskip("minisgl_plugin_flashinfer")
+    (tmp_path / "config.json").write_text("{}")
+    out = run_cli("serve", "--model", str(tmp_path), "--attn", "flashinfer", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "--attn: " in out.stderr and "does not support device 'cpu'" in out.stderr
+    assert "workers:" not in out.stderr  # nothing was started

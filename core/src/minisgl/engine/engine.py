@@ -214,10 +214,25 @@ class Engine:
                 continue
             if reasons:
                 logger.info("attention 'auto' chose %s (%s)", spec.name, "; ".join(reasons))
+            if self.device.type == "cuda" and spec.name == "torch":
+                self._warn_reference_on_cuda(reasons)
             self.attn_specs[i] = spec
             return backend
         raise ValidationError(
             "attention_backend", "no installed attention backend can run this model: " + "; ".join(reasons)
+        )
+
+    def _warn_reference_on_cuda(self, rejected: list[str]) -> None:
+        """``auto`` fell back to the reference backend on a GPU: slow, and no CUDA graphs. Say why."""
+        why = list(rejected)
+        for other in self.registry.specs("attention"):
+            reason = other.unsupported_reason("cuda")
+            if reason is not None:
+                why.append(f"{other.name}: {reason or 'not supported on cuda'}")
+        hint = "install a GPU attention backend, e.g. pip install 'minisgl-plugin-flashinfer[cuda]'"
+        logger.warning(
+            "attention 'auto' fell back to the torch reference backend on CUDA (slow, no CUDA graphs): %s",
+            "; ".join(why) if why else hint,
         )
 
     def _build_graphs(self) -> CudaGraphRunner | None:

@@ -29,7 +29,7 @@ def preflight(settings: ServeSettings) -> list[str]:
     from ..config import EngineConfig
     from ..core import ValidationError
     from ..plugins import UnknownComponentError, load_plugins
-    from .engine_build import device_defaults
+    from .engine_build import device_defaults, likely_device
 
     fields = settings.engine_fields()
     device = fields["device"]
@@ -47,6 +47,8 @@ def preflight(settings: ServeSettings) -> list[str]:
         except ModelPathError as exc:
             raise PreflightError(f"--model: {exc}") from None
     registry = load_plugins()
+    # A component named for a device it cannot run on fails here, with its reason, before any worker starts.
+    target = device.split(":")[0] if device != "auto" else likely_device()
     checks = [("attention", n.strip()) for n in settings.attn.split(",")]
     checks += [("prefix_cache", settings.cache), ("kv_pool", settings.kv_pool), ("moe", settings.moe_backend)]
     flags = {"attention": "--attn", "prefix_cache": "--cache", "kv_pool": "--kv-pool", "moe": "--moe-backend"}
@@ -54,8 +56,8 @@ def preflight(settings: ServeSettings) -> list[str]:
         if not name:
             raise PreflightError(f"--attn: expected NAME or PREFILL,DECODE, got '{settings.attn}'")
         try:
-            if device != "auto":
-                registry.pick(kind, name, device.split(":")[0])  # type: ignore[arg-type]
+            if target is not None:
+                registry.pick(kind, name, target)  # type: ignore[arg-type]
             elif name != "auto":
                 registry.get(kind, name)  # type: ignore[arg-type]
         except UnknownComponentError as exc:

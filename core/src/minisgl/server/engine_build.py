@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+
+
+def likely_device(gpus: Path = Path("/proc/driver/nvidia/gpus")) -> str | None:
+    """The device ``--device auto`` will get ("cuda" or "cpu"), told without importing torch; None if unsure.
+
+    torch picks CUDA when it is a CUDA build and a GPU is visible: the build is written in
+    ``torch/version.py``, the GPUs are listed by the NVIDIA driver under ``/proc``.
+    """
+    import importlib.util
+    import os
+    import re
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        version = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^cuda\b.*=\s*(.+)$", version, re.MULTILINE)
+    if match is None:
+        return None
+    if match.group(1).strip() == "None":
+        return "cpu"
+    if not gpus.is_dir():
+        return None  # no such listing here: leave the device to the worker
+    return "cuda" if any(gpus.iterdir()) else "cpu"
 
 
 def device_defaults(device: str) -> dict[str, int]:
