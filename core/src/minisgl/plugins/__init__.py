@@ -27,6 +27,7 @@ from .specs import (
     ModelSpec,
     MoEBackendSpec,
     PrefixCacheSpec,
+    Unsupported,
     resolve,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "PluginWarning",
     "PrefixCacheSpec",
     "UnknownComponentError",
+    "Unsupported",
     "check_compatible",
     "core_version",
     "discover",

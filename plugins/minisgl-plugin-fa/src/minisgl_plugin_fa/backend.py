@@ -26,7 +26,7 @@ from torch import Tensor
 
 from minisgl.attention import AttentionContext, BaseAttnBackend
 from minisgl.core import Batch
-from minisgl.plugins.specs import Unsupported
+from minisgl.plugins import Unsupported
 
 from .kernels import KERNELS, FlashAttnKernels
 from .support import choose_generation, installed_generations

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from minisgl.plugins.specs import Unsupported
+from minisgl.plugins import Unsupported
 
 Capability = tuple[int, int]
 

@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from minisgl.plugins.specs import Unsupported
+from minisgl.plugins import Unsupported
 
 Capability = tuple[int, int]
 
