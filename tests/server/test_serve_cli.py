@@ -139,14 +139,16 @@ def test_likely_device_reads_the_torch_build_and_the_driver(tmp_path: Path, monk
     (pkg / "version.py").write_text("cuda: Optional[str] = None\n")
     assert engine_build.likely_device() == "cpu"
     (pkg / "version.py").write_text("__version__ = '2.11.0'\ncuda: Optional[str] = '13.0'\n")
-    gpus = tmp_path / "gpus"
-    assert engine_build.likely_device(gpus) is None  # a CUDA build and no driver listing: unsure
-    gpus.mkdir()
-    assert engine_build.likely_device(gpus) == "cpu"  # the driver lists no GPU
-    (gpus / "0000:00:05.0").mkdir()
-    assert engine_build.likely_device(gpus) == "cuda"
+    from minisgl.plugins import devices
+
+    monkeypatch.setattr(devices, "nvml_capabilities", lambda: None)
+    assert engine_build.likely_device() is None  # a CUDA build and no driver to ask: unsure
+    monkeypatch.setattr(devices, "nvml_capabilities", lambda: [])
+    assert engine_build.likely_device() == "cpu"  # the driver knows no GPU
+    monkeypatch.setattr(devices, "nvml_capabilities", lambda: [(9, 0)])
+    assert engine_build.likely_device() == "cuda"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert engine_build.likely_device(gpus) == "cpu"
+    assert engine_build.likely_device() == "cpu"
 
 
 def test_a_backend_that_cannot_run_here_fails_before_any_worker_starts(tmp_path: Path) -> None:

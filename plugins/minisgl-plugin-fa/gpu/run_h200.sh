@@ -109,8 +109,8 @@ t = time.time(); import cutlass.cute, flash_attn.cute; t = time.time() - t
 print('flash_attn.cute imported in %.1fs from %s' % (t, flash_attn.cute.__file__))
 print({d: md.version(d) for d in ('flash-attn-4', 'nvidia-cutlass-dsl-libs-base', 'nvidia-cutlass-dsl-libs-core', 'quack-kernels')})
 import cuda.bindings, tvm_ffi; print('cuda-bindings', md.version('cuda-bindings'), 'apache-tvm-ffi', md.version('apache-tvm-ffi'))
-from minisgl_plugin_fa.support import installed_generations, gpu_capabilities, is_supported
-print('generations', installed_generations(), 'gpus', gpu_capabilities(), 'fa supported:', is_supported('cuda'))
+from minisgl.plugins import cuda_capabilities; from minisgl_plugin_fa.support import installed_generations, is_supported
+print('generations', installed_generations(), 'gpus', cuda_capabilities(), 'fa supported:', is_supported('cuda'))
 "
 step 30 python3 -m minisgl plugins --device cuda
 step 200 python3 $here/gpu/bench_kernels.py --backends fa,flashinfer --out "$OUT/fa_bench.json"

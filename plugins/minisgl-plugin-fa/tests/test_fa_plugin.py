@@ -115,14 +115,14 @@ def test_choose_rejects_small_pages_for_flash_attn_2_and_old_gpus() -> None:
 
 def test_is_supported_on_cuda_follows_the_gpus_and_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "installed_generations", lambda: (4,))
-    monkeypatch.setattr(support, "gpu_capabilities", lambda: [HOPPER])
+    monkeypatch.setattr(support, "cuda_capabilities", lambda: [HOPPER])
     assert support.is_supported("cuda") and support.fa4_supported("cuda")
     with pytest.raises(Unsupported, match="installed generations: 4"):
         support.fa3_supported("cuda")
-    monkeypatch.setattr(support, "gpu_capabilities", lambda: [HOPPER, AMPERE])  # every GPU must run it
+    monkeypatch.setattr(support, "cuda_capabilities", lambda: [HOPPER, AMPERE])  # every GPU must run it
     with pytest.raises(Unsupported, match="compute capability 8.0"):
         support.is_supported("cuda")
-    monkeypatch.setattr(support, "gpu_capabilities", lambda: [])
+    monkeypatch.setattr(support, "cuda_capabilities", lambda: [])
     with pytest.raises(Unsupported, match="no CUDA GPU is visible"):
         support.is_supported("cuda")
 

@@ -1,6 +1,6 @@
 """Registration and device support of the trtllm backends: runs on any machine, GPU or not.
 
-The GPU generation is faked by replacing ``support.visible_compute_capabilities``
+The GPU generation is faked by replacing ``support.cuda_capabilities``
 (and whether FlashInfer is installed), so every answer for Hopper, Blackwell and
 older GPUs is checked here, including how ``minisgl plugins`` and ``minisgl serve``
 report it.
@@ -26,7 +26,7 @@ HOPPER, B200, B300, RTX5090, A100 = (9, 0), (10, 0), (10, 3), (12, 0), (8, 0)
 def gpus(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """The faked visible GPUs (edit the list in the test); FlashInfer counts as installed."""
     caps: list[tuple[int, int]] = []
-    monkeypatch.setattr(support, "visible_compute_capabilities", lambda: list(caps))
+    monkeypatch.setattr(support, "cuda_capabilities", lambda: list(caps))
     monkeypatch.setattr(support, "flashinfer_installed", lambda: True)
     return caps
 
@@ -135,27 +135,3 @@ def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
     with pytest.raises(PreflightError, match=r"^--attn: attention backend 'trtllm' does not support device 'cuda'"):
         preflight(ServeSettings(model=str(tmp_path), attn="trtllm", device="cuda"))
     assert "trtllm" in preflight(ServeSettings(model=str(tmp_path), attn="torch,trtllm-xqa", device="cuda"))
-
-
-def test_cuda_visible_devices_selects_nvml_entries() -> None:
-    caps = [HOPPER, B200, A100]
-    assert support._only_visible(caps, None) == caps
-    assert support._only_visible(caps, "") == []
-    assert support._only_visible(caps, "2,0") == [A100, HOPPER]
-    assert support._only_visible(caps, "1,7,0") == [B200]  # CUDA stops at the first invalid index
-    assert support._only_visible(caps, "GPU-5e6f7a") == caps  # UUIDs are not resolved: all kept
-
-
-def test_without_nvml_the_query_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ctypes
-
-    import torch
-
-    def no_library(name: str) -> None:
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_library)
-    assert support._nvml_capabilities() is None
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [HOPPER, B300][i])
-    assert support.visible_compute_capabilities() == [HOPPER, B300]

@@ -5,6 +5,7 @@ plugin declares a requirement on minisgl), so a plugin's entry module, which
 imports ``minisgl.plugins``, stays cheap to load. See docs/plugins.md.
 """
 
+from .devices import cuda_capabilities
 from .errors import PluginError, PluginWarning, UnknownComponentError
 from .hookspecs import HOOKS, hookimpl, hookspec
 from .manager import (
@@ -53,6 +54,7 @@ __all__ = [
     "UnknownComponentError",
     "Unsupported",
     "check_compatible",
+    "cuda_capabilities",
     "core_version",
     "discover",
     "hookimpl",

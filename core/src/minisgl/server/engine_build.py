@@ -9,15 +9,17 @@ if TYPE_CHECKING:
     from ..config import EngineConfig
 
 
-def likely_device(gpus: Path = Path("/proc/driver/nvidia/gpus")) -> str | None:
+def likely_device() -> str | None:
     """The device ``--device auto`` will get ("cuda" or "cpu"), told without importing torch; None if unsure.
 
-    torch picks CUDA when it is a CUDA build and a GPU is visible: the build is written in
-    ``torch/version.py``, the GPUs are listed by the NVIDIA driver under ``/proc``.
+    torch picks CUDA when it is a CUDA build (written in ``torch/version.py``) and a GPU is
+    visible (asked of the driver through NVML, see :mod:`minisgl.plugins.devices`).
     """
     import importlib.util
     import os
     import re
+
+    from ..plugins import devices
 
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return "cpu"
@@ -33,9 +35,10 @@ def likely_device(gpus: Path = Path("/proc/driver/nvidia/gpus")) -> str | None:
         return None
     if match.group(1).strip() == "None":
         return "cpu"
-    if not gpus.is_dir():
-        return None  # no such listing here: leave the device to the worker
-    return "cuda" if any(gpus.iterdir()) else "cpu"
+    caps = devices.nvml_capabilities()
+    if caps is None:
+        return None  # no driver library to ask: leave the device to the worker
+    return "cuda" if devices.only_visible(caps, os.environ.get("CUDA_VISIBLE_DEVICES")) else "cpu"
 
 
 def device_defaults(device: str) -> dict[str, int]:

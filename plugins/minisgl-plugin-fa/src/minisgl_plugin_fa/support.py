@@ -22,14 +22,11 @@ process has no CUDA context yet, so listing the plugins does not create one.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
-import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from minisgl.plugins import Unsupported
+from minisgl.plugins import Unsupported, cuda_capabilities
 
 Capability = tuple[int, int]
 
@@ -113,55 +110,6 @@ def choose_generation(
     return usable[0]
 
 
-def _nvml_capabilities() -> list[Capability] | None:
-    """Compute capability of each GPU from NVML, in NVML order; ``None`` when NVML cannot answer."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
-        return None
-    try:
-        count = ctypes.c_uint()
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return None
-        caps = []
-        for i in range(count.value):
-            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(handle)) != 0:
-                return None
-            if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
-                return None
-            caps.append((major.value, minor.value))
-        return caps
-    finally:
-        nvml.nvmlShutdown()
-
-
-def gpu_capabilities() -> list[Capability]:
-    """Compute capability of each GPU this process may use (``[]``: none).
-
-    torch answers when it has already set up CUDA here; otherwise NVML does (no CUDA
-    context; ``CUDA_VISIBLE_DEVICES`` is applied when it lists indices), and torch
-    is the fallback.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        caps = _nvml_capabilities()
-        if caps is not None:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if visible is None:
-                return caps
-            items = [s.strip() for s in visible.split(",") if s.strip()]
-            if all(s.isdigit() for s in items):
-                return [caps[int(s)] for s in items if int(s) < len(caps)]
-            return caps
-        import torch
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-
-
 def _check(device: str, wanted: int | None, caps: Callable[[], Sequence[Capability]]) -> bool:
     if device != "cuda":
         raise Unsupported(f"FlashAttention runs on NVIDIA GPUs (CUDA), not on {device}; use --attn torch")
@@ -176,19 +124,19 @@ def _check(device: str, wanted: int | None, caps: Callable[[], Sequence[Capabili
 
 def is_supported(device: str) -> bool:
     """``is_supported`` of ``fa``: CUDA, and an installed generation that runs on every visible GPU."""
-    return _check(device, None, gpu_capabilities)
+    return _check(device, None, cuda_capabilities)
 
 
 def fa2_supported(device: str) -> bool:
     """``is_supported`` of ``fa2``."""
-    return _check(device, 2, gpu_capabilities)
+    return _check(device, 2, cuda_capabilities)
 
 
 def fa3_supported(device: str) -> bool:
     """``is_supported`` of ``fa3``."""
-    return _check(device, 3, gpu_capabilities)
+    return _check(device, 3, cuda_capabilities)
 
 
 def fa4_supported(device: str) -> bool:
     """``is_supported`` of ``fa4``."""
-    return _check(device, 4, gpu_capabilities)
+    return _check(device, 4, cuda_capabilities)

@@ -23,83 +23,16 @@ serve`` learn the GPU generation without creating a CUDA context.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
-import os
-import sys
 from collections.abc import Callable, Sequence
 
-from minisgl.plugins import Unsupported
+from minisgl.plugins import Unsupported, cuda_capabilities
 
 Capability = tuple[int, int]
 
 TRTLLM_GEN_CAPABILITIES: tuple[Capability, ...] = ((10, 0), (10, 3))
 XQA_MAJORS: tuple[int, ...] = (9, 10, 12)
 INSTALL_HINT = "pip install 'minisgl-plugin-trtllm[cuda]'"
-
-
-def _only_visible(caps: list[Capability], visible: str | None) -> list[Capability]:
-    """The entries of ``caps`` (NVML order) that ``CUDA_VISIBLE_DEVICES`` leaves visible.
-
-    Integer lists are applied up to the first invalid index, as CUDA does; UUIDs and
-    MIG names are not resolved (every device is then kept: a conservative answer,
-    since support is required of all of them).
-    """
-    if visible is None:
-        return caps
-    items = [s.strip() for s in visible.split(",") if s.strip()]
-    if not all(s.lstrip("-").isdigit() for s in items):
-        return caps
-    picked = []
-    for s in items:
-        i = int(s)
-        if not 0 <= i < len(caps):
-            break
-        picked.append(caps[i])
-    return picked
-
-
-def _nvml_capabilities() -> list[Capability] | None:
-    """Compute capability of every GPU per NVML (the driver's library); ``None`` if NVML is unusable."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
-        return None
-    try:
-        count = ctypes.c_uint()
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return None
-        caps = []
-        for i in range(count.value):
-            handle = ctypes.c_void_p()
-            major, minor = ctypes.c_int(), ctypes.c_int()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(handle)) != 0:
-                return None
-            if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
-                return None
-            caps.append((major.value, minor.value))
-        return caps
-    finally:
-        nvml.nvmlShutdown()
-
-
-def visible_compute_capabilities() -> list[Capability]:
-    """Compute capability of every GPU this process may use (``[]``: none).
-
-    Uses torch when this process has already initialised CUDA (exact), otherwise
-    NVML (no CUDA context; ``CUDA_VISIBLE_DEVICES`` applied by index), and torch
-    as the last resort.
-    """
-    loaded = sys.modules.get("torch")
-    if loaded is None or not loaded.cuda.is_initialized():
-        caps = _nvml_capabilities()
-        if caps is not None:
-            return _only_visible(caps, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    import torch
-
-    return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
 
 
 def flashinfer_installed() -> bool:
@@ -144,7 +77,7 @@ def _check(device: str, problem_of: Callable[[Sequence[Capability]], str | None]
         raise Unsupported("TensorRT-LLM attention kernels need a CUDA GPU; use --attn torch")
     if not flashinfer_installed():
         raise Unsupported(f"FlashInfer, which provides the TensorRT-LLM kernels, is not installed: {INSTALL_HINT}")
-    problem = problem_of(visible_compute_capabilities())
+    problem = problem_of(cuda_capabilities())
     if problem:
         raise Unsupported(problem)
     return True
