@@ -402,13 +402,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(args: argparse.Namespace, record: dict[str, Any]) -> int:
-    out = Path(args.output)
+    write_record(args.output, args.label or record["benchmark"], record)
+    return 0
+
+
+def write_record(output: str | Path, label: str, record: dict[str, Any]) -> Path:
+    """Write a benchmark record as ``OUTPUT/LABEL.json`` and say where."""
+    out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    label = args.label or record["benchmark"]
     path = out / f"{label}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
-    return 0
+    return path
 
 
 if __name__ == "__main__":

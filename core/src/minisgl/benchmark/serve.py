@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .offline import _git_commit, _machine
+from .offline import _git_commit, _machine, write_record
 from .serve_client import RequestResult, Target, get_json, stream
 from .serve_launch import launched
 from .serve_workloads import Conversation, Workload, arrival_times, build_workload, load_decode
@@ -389,11 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log.unlink(missing_ok=True)
     record["machine"] = {**_machine("cuda"), "event_loop": _event_loop_name()}
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{record['label']}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_record(args.output, record["label"], record)
     return 0
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ..message import Heartbeat, WorkerStatus, encode
+from ..message import Heartbeat, WorkerStatus, encode, recv_all
 
 # Seconds between two heartbeats of a worker (see StatusReporter.start_heartbeat).
 HEARTBEAT_S = 0.5
@@ -74,6 +74,15 @@ class ParentWatch:
 
     def parent_gone(self) -> bool:
         return os.getppid() != self.parent
+
+
+def serve_inbox(inbox: zmq.Socket, handle: Callable[[Any], None]) -> None:
+    """A worker's loop: hand every message arriving on ``inbox`` to ``handle`` until the launcher is gone."""
+    watch = ParentWatch()
+    while not (watch.due() and watch.parent_gone()):
+        if inbox.poll(200):
+            for msg in recv_all(inbox):
+                handle(msg)
 
 
 class StatusReporter:

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from ..message import OutputBatch, StepOutput, StopReq, encode, recv_all
+from ..message import OutputBatch, StepOutput, StopReq, encode
 from .detokenize import IncrementalDetokenizer
 
 
@@ -98,7 +98,7 @@ class DetokenizerService:
 
 def detokenizer_main(launch: bytes) -> None:
     """Entry point of the detokenizer process (see :mod:`minisgl.server.launcher`)."""
-    from ..server.process import ParentWatch, unpack_args, worker_process
+    from ..server.process import serve_inbox, unpack_args, worker_process
 
     args = unpack_args(launch)
     addr = args["addresses"]
@@ -114,15 +114,14 @@ def detokenizer_main(launch: bytes) -> None:
         to_sched.connect(addr["scheduler"])
         status.ready()
         status.start_heartbeat()
-        watch = ParentWatch()
-        while not (watch.due() and watch.parent_gone()):
-            if not inbox.poll(200):
-                continue
-            for msg in recv_all(inbox):
-                if not isinstance(msg, StepOutput):
-                    continue
-                batch, stopped = service.process(msg)
-                if batch.rids or batch.failed:
-                    to_api.send(encode(batch))
-                for rid in stopped:
-                    to_sched.send(encode(StopReq(rid)))
+
+        def handle(msg: Any) -> None:
+            if not isinstance(msg, StepOutput):
+                return
+            batch, stopped = service.process(msg)
+            if batch.rids or batch.failed:
+                to_api.send(encode(batch))
+            for rid in stopped:
+                to_sched.send(encode(StopReq(rid)))
+
+        serve_inbox(inbox, handle)

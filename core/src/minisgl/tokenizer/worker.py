@@ -23,7 +23,6 @@ from ..message import (
     TokenizedReq,
     TokenizerLimits,
     encode,
-    recv_all,
 )
 
 
@@ -107,7 +106,7 @@ def _max_token_chars(tokenizer: Any) -> int:
 
 def tokenizer_main(launch: bytes) -> None:
     """Entry point of a tokenizer process (see :mod:`minisgl.server.launcher`)."""
-    from ..server.process import ParentWatch, unpack_args, worker_process
+    from ..server.process import serve_inbox, unpack_args, worker_process
 
     args = unpack_args(launch)
     addr = args["addresses"]
@@ -124,15 +123,14 @@ def tokenizer_main(launch: bytes) -> None:
         to_api.connect(addr["api"])
         status.ready(has_tokenizer=service.tokenizer is not None)
         status.start_heartbeat()
-        watch = ParentWatch()
-        while not (watch.due() and watch.parent_gone()):
-            if not inbox.poll(200):
-                continue
-            for msg in recv_all(inbox):
-                if isinstance(msg, GenerateReq):
-                    result = service.tokenize(msg)
-                    (to_sched if isinstance(result, TokenizedReq) else to_api).send(encode(result))
-                elif isinstance(msg, AbortReq):
-                    to_sched.send(encode(msg))  # behind its request on the same socket
-                elif isinstance(msg, TokenizerLimits):
-                    service.limits = msg
+
+        def handle(msg: Any) -> None:
+            if isinstance(msg, GenerateReq):
+                result = service.tokenize(msg)
+                (to_sched if isinstance(result, TokenizedReq) else to_api).send(encode(result))
+            elif isinstance(msg, AbortReq):
+                to_sched.send(encode(msg))  # behind its request on the same socket
+            elif isinstance(msg, TokenizerLimits):
+                service.limits = msg
+
+        serve_inbox(inbox, handle)
