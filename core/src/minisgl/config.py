@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: "auto": the fastest kernels the device has (Triton on CUDA, the native C kernels on CPU);
+#: "torch": plain PyTorch everywhere (the reference, and for ablations).
+KERNEL_SETS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool = True
+    kernels: str = "auto"
     tp: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -65,6 +69,9 @@ class EngineConfig:
             self.load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got '{self.load_format}'"
         )
         check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0 (0 disables CUDA graphs)")
+        check(
+            self.kernels in KERNEL_SETS, "kernels", f"must be one of {', '.join(KERNEL_SETS)}, got '{self.kernels}'"
+        )
         check(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
         check(
             self.nnodes >= 1 and self.tp % self.nnodes == 0, "nnodes", f"must divide tp ({self.tp}), got {self.nnodes}"
