@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..core import SamplingParams, ValidationError
+from ..utils import VERSION
 from ..message import GenerateReq, TokenizerLimits
 from .client import EngineClient, ServerGone
 from .limits import RequestGuard, RequestLimits
@@ -165,7 +166,7 @@ def create_app(
         watcher.cancel()
         await client.close()
 
-    app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="minisgl", version=VERSION, lifespan=lifespan)
     app.state.exit_code = 0
     app.state.server = None
     app.state.draining = False

@@ -1,3 +1,3 @@
 """FlashAttention attention backends for minisgl (FlashAttention 2, 3 and 4, chosen per GPU)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

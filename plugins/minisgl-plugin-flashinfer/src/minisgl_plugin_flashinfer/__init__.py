@@ -1,3 +1,3 @@
 """FlashInfer attention backend for minisgl."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,3 +1,3 @@
 """Radix-tree prefix cache for minisgl (``--cache radix``)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

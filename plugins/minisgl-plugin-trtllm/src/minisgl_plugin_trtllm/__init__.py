@@ -1,3 +1,3 @@
 """TensorRT-LLM attention kernels (through FlashInfer) for minisgl."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
