@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from minisgl.server.cli import PreflightError, preflight
-from minisgl.server.settings import ServeSettings, SettingsError, build_parser, parse_settings
+from minisgl.server.settings import (
+    PreflightError,
+    ServeSettings,
+    SettingsError,
+    build_parser,
+    parse_settings,
+    preflight,
+)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -37,31 +43,49 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
     for flag in ("--model", "--attn", "--cache", "--page-size", "--dtype", "--device", "--max-running-requests",
                  "--chunked-prefill-size", "--max-model-len", "--host", "--port", "--api-key",
                  "--served-model-name", "--tp", "--num-pages", "--mem-fraction", "--cpu-kv-cache-gb",
-                 "--load-format", "--model-config", "--seed", "--cuda-graph-max-bs", "--overlap-schedule",
+                 "--load-format", "--model-config", "--hf-config-path", "--kernels", "--seed", "--cuda-graph-max-bs", "--overlap-schedule",
                  "--kv-pool", "--moe-backend", "--shell", "--nnodes", "--node-rank", "--dist-init-addr",
                  "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
         assert flag in out.stdout, flag
 
 
-def test_every_engine_field_is_a_setting() -> None:
-    from minisgl.config import EngineConfig
+def test_engine_settings_have_one_definition() -> None:
+    """Every engine setting is a serve flag and variable of the same name, with the same default and bounds."""
+    from minisgl.config import EngineConfig, EngineFields
 
     settings = ServeSettings(model="m")
-    assert set(settings.engine_fields()) == set(EngineConfig.field_names()) - {"plugins"}
+    assert set(settings.engine_fields()) == set(EngineFields.model_fields)
+    assert set(EngineConfig.model_fields) == set(EngineFields.model_fields) | {"plugins"}
+    parser_dests = {a.dest for a in build_parser()._actions}
+    assert set(EngineFields.model_fields) <= parser_dests
+    with pytest.raises(SettingsError, match=r"--page-size \(env MINISGL_PAGE_SIZE\)"):
+        parse_settings(["--model", "m", "--page-size", "0"])
+    from minisgl.core import ValidationError
+
+    with pytest.raises(ValidationError, match="page_size"):
+        EngineConfig(model="m", page_size=0)
+    # Unset batch limits take the device's defaults in one place, for LLM and serve alike.
+    assert (
+        EngineConfig(model="m").max_running_requests,
+        EngineConfig(model="m", device="cuda").chunked_prefill_size,
+    ) == (
+        64,
+        8192,
+    )
 
 
 def test_environment_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MINISGL_MODEL", "/models/a")
     monkeypatch.setenv("MINISGL_PAGE_SIZE", "32")
     monkeypatch.setenv("MINISGL_API_KEY", "secret")
-    monkeypatch.setenv("MINISGL_MODEL_CONFIG", "/cfg.json")
+    monkeypatch.setenv("MINISGL_HF_CONFIG_PATH", "/cfg.json")
     monkeypatch.setenv("MINISGL_OVERLAP_SCHEDULE", "false")
     s = parse_settings(["--page-size", "64", "--attn", "torch,torch"])
-    got = (s.model, s.page_size, s.api_key, s.hf_config_path, s.attn)
+    got = (s.model, s.page_size, s.api_key, s.hf_config_path, s.attention_backend)
     assert got == ("/models/a", 64, "secret", "/cfg.json", "torch,torch")
     assert s.overlap_schedule is False
     fields = s.engine_fields()
-    assert fields["attention_backend"] == "torch,torch" and fields["model_config"] == "/cfg.json"
+    assert fields["attention_backend"] == "torch,torch" and fields["hf_config_path"] == "/cfg.json"
     assert parse_settings(["--overlap-schedule"]).overlap_schedule is True
 
 
@@ -81,18 +105,20 @@ def test_bad_values_name_the_flag_and_variable(monkeypatch: pytest.MonkeyPatch) 
 
 def test_preflight_checks_names_against_installed_plugins(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    ok = ServeSettings(model=str(tmp_path), attn="torch", device="cpu")
+    ok = ServeSettings(model=str(tmp_path), attention_backend="torch", device="cpu")
     assert "builtin" in preflight(ok)
     unknown = r"--attn: unknown attention backend 'nope'; installed: .*torch \(minisgl\)"
     with pytest.raises(PreflightError, match=unknown):
-        preflight(ServeSettings(model=str(tmp_path), attn="torch,nope"))
+        preflight(ServeSettings(model=str(tmp_path), attention_backend="torch,nope"))
     with pytest.raises(PreflightError, match=r"--cache: unknown prefix cache 'lru'"):
-        preflight(ServeSettings(model=str(tmp_path), cache="lru"))
+        preflight(ServeSettings(model=str(tmp_path), prefix_cache="lru"))
     with pytest.raises(PreflightError, match=r"--model: model path '.*missing' does not exist"):
         preflight(ServeSettings(model=str(tmp_path / "missing")))
     with pytest.raises(PreflightError, match=r"--nnodes \(env MINISGL_NNODES\): must divide tp \(3\), got 2"):
         preflight(ServeSettings(model=str(tmp_path), tp=3, nnodes=2))
-    with pytest.raises(PreflightError, match=r"--device \(env MINISGL_DEVICE\): must be 'cpu' or 'cuda'"):
+    with pytest.raises(
+        PreflightError, match=r"--device \(env MINISGL_DEVICE\): Value error, must be cpu, cuda, cuda:N or auto"
+    ):
         preflight(ServeSettings(model=str(tmp_path), device="tpu"))
 
 
@@ -100,7 +126,7 @@ def test_preflight_checks_names_against_installed_plugins(tmp_path: Path) -> Non
     ("args", "env", "message"),
     [
         (["--attn", "flashinfr"], {}, "--attn: unknown attention backend 'flashinfr'"),
-        ([], {"MINISGL_CACHE": "nocache"}, "--cache: unknown prefix cache 'nocache'"),
+        ([], {"MINISGL_PREFIX_CACHE": "nocache"}, "--cache: unknown prefix cache 'nocache'"),
         (["--page-size", "0"], {}, "--page-size (env MINISGL_PAGE_SIZE): Input should be greater than or equal to 1"),
     ],
 )

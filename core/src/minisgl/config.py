@@ -1,9 +1,18 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine settings, defined once for ``LLM(...)``, ``minisgl serve`` flags and ``MINISGL_*`` variables.
+
+:class:`EngineFields` declares each setting with its type, bounds and help text;
+:class:`EngineConfig` is the validated, frozen configuration an engine is built
+from; ``minisgl.server.settings.ServeSettings`` adds the server's own settings to
+the same fields (and derives a flag and an environment variable from each).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ValidationError as PydanticValidationError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: "auto": the fastest kernels the device has (Triton on CUDA, the native C kernels on CPU);
@@ -11,76 +20,106 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_SETS = ("auto", "torch")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that decides how an engine is built.
+def device_defaults(device: str) -> dict[str, int]:
+    """Batch limits for ``device`` where none are set.
 
-    ``attention_backend`` is a backend name, ``"auto"``, or ``"PREFILL,DECODE"``
-    for a hybrid. ``num_pages`` overrides KV pool sizing (otherwise: a share of
-    free GPU memory, or ``cpu_kv_cache_gb`` on CPU).
+    A GPU step costs about the same for 1 or 256 decoding requests and for 512 or 8192
+    prompt tokens, so a GPU admits a whole burst at once; a CPU step costs in proportion
+    to its tokens, so a CPU keeps steps short for its streams' sake.
+    """
+    if device.startswith("cuda"):
+        return {"max_running_requests": 256, "chunked_prefill_size": 8192}
+    return {"max_running_requests": 64, "chunked_prefill_size": 512}
+
+
+class EngineFields(BaseModel):
+    """Every setting of an engine: the one definition of names, types, bounds, defaults and help."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model: str = Field(description="Hugging Face model directory, .gguf file or dist:NAME")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N; auto = cuda when a GPU is visible")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight and activation dtype; auto = float32 on CPU, the model's dtype on GPU"
+    )
+    attention_backend: str = Field(
+        "auto", description="attention backend: NAME or PREFILL,DECODE; auto = best installed"
+    )
+    prefix_cache: str = Field("auto", description="prefix cache (e.g. naive, radix); auto = best installed")
+    kv_pool: str = Field("mha", description="KV cache pool layout")
+    moe_backend: str = Field("auto", description="mixture-of-experts backend (MoE models only)")
+    kernels: Literal["auto", "torch"] = Field(
+        "auto", description="layer kernels: auto = Triton on CUDA, native C on CPU; torch = plain PyTorch"
+    )
+    page_size: int = Field(16, ge=1, description="tokens per KV cache page")
+    max_running_requests: int | None = Field(
+        None, ge=1, description="most requests decoded together; default: 256 on a GPU, 64 on CPU"
+    )
+    chunked_prefill_size: int | None = Field(
+        None, ge=1, description="prompt tokens computed per step; default: 8192 on a GPU, 512 on CPU"
+    )
+    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
+    num_pages: int | None = Field(None, ge=2, description="KV cache pages; default: sized from memory")
+    mem_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for the KV cache")
+    cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU, in GiB")
+    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy = random weights (benchmarks)")
+    hf_config_path: str | None = Field(
+        None, description="config.json to use instead of the model's (with load_format dummy: no weights needed)"
+    )
+    seed: int = Field(0, description="seed of the sampler for requests without their own seed")
+    cuda_graph_max_bs: int = Field(256, ge=0, description="largest decode batch captured in a CUDA graph; 0 = none")
+    overlap_schedule: bool = Field(True, description="overlap scheduling with the GPU step")
+    tp: int = Field(1, ge=1, description="tensor-parallel size (number of GPUs; processes on CPU)")
+    nnodes: int = Field(1, ge=1, description="nodes the tensor-parallel ranks span")
+    node_rank: int = Field(0, ge=0, description="this node's index; nodes other than 0 run ranks only, no API")
+    dist_init_addr: str | None = Field(None, description="HOST:PORT of rank 0's rendezvous (several nodes)")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError("must be cpu, cuda, cuda:N or auto")
+        return value
+
+
+class EngineConfig(EngineFields):
+    """The validated configuration of one engine; bad values raise :class:`minisgl.core.ValidationError`.
+
+    ``device="auto"`` becomes ``cuda`` when torch sees a GPU; unset batch limits take
+    :func:`device_defaults`. ``plugins`` names the plugin entries to load (``None``: the
+    environment's choice).
     """
 
-    model: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    prefix_cache: str = "auto"
-    kv_pool: str = "mha"
-    moe_backend: str = "auto"
-    page_size: int = 16
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 512
-    max_model_len: int | None = None
-    num_pages: int | None = None
-    mem_fraction: float = 0.85
-    cpu_kv_cache_gb: float = 1.0
-    load_format: str = "auto"
-    model_config: str | None = None
-    seed: int = 0
-    cuda_graph_max_bs: int = 256
-    overlap_schedule: bool = True
-    kernels: str = "auto"
-    tp: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    # Resolved per device in __init__, so never None afterwards.
+    max_running_requests: int = Field(ge=1)
+    chunked_prefill_size: int = Field(ge=1)
     plugins: tuple[str, ...] | None = None
 
-    def __post_init__(self) -> None:
+    def __init__(self, **values: Any) -> None:
         from .core import ValidationError
 
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValidationError(name, message)
+        if values.get("device", "cpu") == "auto":
+            import torch
 
-        check(
-            self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
-            "device",
-            f"must be 'cpu' or 'cuda', got '{self.device}'",
-        )
-        check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
-        check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
-        check(self.max_running_requests >= 1, "max_running_requests", f"must be >= 1, got {self.max_running_requests}")
-        check(self.chunked_prefill_size >= 1, "chunked_prefill_size", f"must be >= 1, got {self.chunked_prefill_size}")
-        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        check(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be >= 2")
-        check(0 < self.mem_fraction <= 1, "mem_fraction", f"must be in (0, 1], got {self.mem_fraction}")
-        check(
-            self.load_format in ("auto", "dummy"), "load_format", f"must be 'auto' or 'dummy', got '{self.load_format}'"
-        )
-        check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "must be >= 0 (0 disables CUDA graphs)")
-        check(
-            self.kernels in KERNEL_SETS, "kernels", f"must be one of {', '.join(KERNEL_SETS)}, got '{self.kernels}'"
-        )
-        check(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
-        check(
-            self.nnodes >= 1 and self.tp % self.nnodes == 0, "nnodes", f"must divide tp ({self.tp}), got {self.nnodes}"
-        )
-        check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
+            values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        for name, value in device_defaults(str(values.get("device", "cpu"))).items():
+            if values.get(name) is None:
+                values[name] = value
+        try:
+            super().__init__(**values)
+        except PydanticValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(map(str, err["loc"])) or "config"
+            got = "" if err["type"] == "missing" else f", got {err.get('input')!r}"
+            hint = " (not an engine setting)" if err["type"] == "extra_forbidden" else ""
+            raise ValidationError(field, f"{err['msg']}{got}{hint}") from None
+        if self.tp % self.nnodes:
+            raise ValidationError("nnodes", f"must divide tp ({self.tp}), got {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValidationError("node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
 
     def with_changes(self, **changes: Any) -> EngineConfig:
-        return replace(self, **changes)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """A copy with ``changes`` applied and validated again."""
+        return EngineConfig(**{**self.model_dump(), **changes})

@@ -27,10 +27,6 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-# Kept for callers of the earlier location; the implementation lives with the model loader.
-eos_ids = eos_token_ids
-
-
 def stop_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     """Cut ``text`` at the first stop string; whether one was found."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)

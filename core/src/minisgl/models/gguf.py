@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..utils.model_path import ModelLoadError
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl"))
@@ -29,8 +31,6 @@ def _key(path: Path) -> str:
 
 def gguf_to_hf_dir(path: Path) -> Path:
     """The cached HF-format directory for GGUF ``path``, converting it on first use."""
-    from .loader import ModelLoadError
-
     target = cache_root() / "gguf" / _key(path)
     if (target / "config.json").exists():
         return target

@@ -11,11 +11,7 @@ from typing import Any
 
 import torch
 
-from ..utils.model_path import ModelPathError, resolve_model_path
-
-
-class ModelLoadError(ValueError):
-    """The model path, config or weights cannot be used; the message says why."""
+from ..utils.model_path import ModelLoadError, ModelPathError, resolve_model_path
 
 
 @dataclass

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..core import SamplingParams, ValidationError
-from ..utils import VERSION
 from ..message import GenerateReq, TokenizerLimits
+from ..utils import VERSION
 from .client import EngineClient, ServerGone
 from .limits import RequestGuard, RequestLimits
 from .metrics import ServerMetrics

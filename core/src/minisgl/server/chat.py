@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, TextIO
 
-from .settings import ServeSettings, SettingsError, build_parser, settings_from_args
+from .settings import PreflightError, ServeSettings, SettingsError, build_parser, preflight, settings_from_args
 
 DESCRIPTION = "Chat with a model in this terminal (the engine runs in-process)."
 HELP_TEXT = "Commands: /reset clears the conversation, /exit quits. Ctrl-C stops a reply."
@@ -41,15 +41,13 @@ def run_chat(
     from ..core import SamplingParams, ValidationError
     from ..llm import LLM
     from ..tokenizer import IncrementalDetokenizer
-    from .engine_build import engine_config
     from .process import user_error
 
     out = stdout or sys.stdout
     inp = stdin or sys.stdin
     try:
-        config = engine_config({**settings.engine_fields(), "plugins": plugins})
-        fields = {k: v for k, v in asdict(config).items() if k != "model"}
-        llm = LLM(config.model, **fields)
+        fields = settings.engine_fields()
+        llm = LLM(fields.pop("model"), **fields, plugins=tuple(plugins))
     except Exception as exc:  # start-up errors are the user's to fix: show them, no traceback
         print(f"minisgl chat: error: {user_error(exc)}", file=sys.stderr)
         return 1
@@ -131,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     _add_chat_flags(parser)
     values = vars(parser.parse_args(args))
     chat = {k: values.pop(k) for k in _CHAT_ARGS if k in values}
-    from .cli import PreflightError, preflight
-
     try:
         settings = settings_from_args(values)
         plugins = preflight(settings)

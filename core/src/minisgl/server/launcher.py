@@ -85,9 +85,8 @@ class Launcher:
 
     def start(self) -> dict[str, Any]:
         """Spawn every worker and wait until all are ready; the scheduler's model info."""
-        from ..tokenizer.detokenizer import detokenizer_main
-        from ..tokenizer.worker import tokenizer_main
         from .scheduler_worker import scheduler_main
+        from .text_workers import detokenizer_main, tokenizer_main
 
         ctx = mp.get_context("spawn")
         engine = {**self.settings.engine_fields(), "plugins": self.plugins}

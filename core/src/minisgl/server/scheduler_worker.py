@@ -106,12 +106,12 @@ def scheduler_main(launch: bytes) -> None:
 
 def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
     """Rank 0's scheduler, as :class:`minisgl.LLM` builds it (less stop strings), and the other ranks (tp > 1)."""
+    from ..config import EngineConfig
     from ..engine import Engine
     from ..models import eos_token_ids, load_tokenizer
     from ..scheduler import Scheduler
-    from .engine_build import engine_config
 
-    config = engine_config(fields)
+    config = EngineConfig(**fields)
     if config.tp > 1:
         from ..plugins import load_plugins
         from ..scheduler.tp import start_tensor_parallel

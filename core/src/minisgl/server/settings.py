@@ -12,66 +12,25 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..config import EngineFields
 
 ENV_PREFIX = "MINISGL_"
 
-# Settings fields that are EngineConfig fields under another name.
-ENGINE_FIELD_NAMES = {"attn": "attention_backend", "cache": "prefix_cache", "hf_config_path": "model_config"}
-# Extra spellings accepted on the command line.
-FLAG_ALIASES = {"attn": ["--attention-backend"], "cache": ["--prefix-cache"]}
-# Flags whose name differs from the field name.
-FLAG_NAMES = {"hf_config_path": "--model-config"}
-SERVER_ONLY = {
-    "host", "port", "api_key", "served_model_name", "shell", "log_level", "shutdown_timeout", "health_timeout",
-    "max_request_bytes", "max_prompts", "max_n", "stall_timeout", "tokenizer_workers",
-}  # fmt: skip
+# Short spellings of engine flags, kept for the command line (the environment uses the long name).
+FLAG_ALIASES = {"attention_backend": ["--attn"], "prefix_cache": ["--cache"], "hf_config_path": ["--model-config"]}
 
 
-class ServeSettings(BaseSettings):
-    """Everything ``minisgl serve`` and ``minisgl chat`` can be told."""
+class ServeSettings(EngineFields, BaseSettings):
+    """Everything ``minisgl serve`` and ``minisgl chat`` can be told: the engine's fields plus the server's."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=(), populate_by_name=True, validate_default=True
+        env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=(), validate_default=True
     )
 
-    model: str = Field(description="Hugging Face model directory or .gguf file")
-    # engine
-    attn: str = Field("auto", description="attention backend: NAME or PREFILL,DECODE; auto = best installed")
-    cache: str = Field("auto", description="prefix cache (e.g. naive, radix); auto = best installed")
-    kv_pool: str = Field("mha", description="KV cache pool layout")
-    moe_backend: str = Field("auto", description="mixture-of-experts backend (MoE models only)")
-    page_size: int = Field(16, ge=1, description="tokens per KV cache page")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weight and activation dtype; auto = float32 on CPU, the model's dtype on GPU"
-    )
     device: str = Field("auto", description="cpu, cuda or cuda:N; auto = cuda when a GPU is visible")
-    max_running_requests: int | None = Field(
-        None, ge=1, description="most requests decoded together; default: 256 on a GPU, 64 on CPU"
-    )
-    chunked_prefill_size: int | None = Field(
-        None,
-        ge=1,
-        description="prompt tokens computed per step (longer prompts are split); default: 8192 on a GPU, 512 on CPU",
-    )
-    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
-    num_pages: int | None = Field(None, ge=2, description="KV cache pages; default: sized from memory")
-    mem_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for the KV cache")
-    cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU, in GiB")
-    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy = random weights (benchmarks)")
-    hf_config_path: str | None = Field(
-        None,
-        validation_alias=AliasChoices("hf_config_path", f"{ENV_PREFIX}MODEL_CONFIG"),
-        description="config.json to use instead of the model's (with --load-format dummy: no weights needed)",
-    )
-    seed: int = Field(0, description="seed of the sampler for requests without their own seed")
-    cuda_graph_max_bs: int = Field(256, ge=0, description="largest decode batch captured in a CUDA graph; 0 = none")
-    overlap_schedule: bool = Field(True, description="overlap scheduling with the GPU step")
-    tp: int = Field(1, ge=1, description="tensor-parallel size (number of GPUs; processes on CPU)")
-    nnodes: int = Field(1, ge=1, description="nodes the tensor-parallel ranks span")
-    node_rank: int = Field(0, ge=0, description="this node's index; nodes other than 0 run ranks only, no API")
-    dist_init_addr: str | None = Field(None, description="HOST:PORT of rank 0's rendezvous (several nodes)")
     # server
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(30000, ge=0, le=65535, description="port to listen on")
@@ -102,12 +61,7 @@ class ServeSettings(BaseSettings):
 
     def engine_fields(self) -> dict[str, Any]:
         """The :class:`~minisgl.config.EngineConfig` keyword arguments these settings describe."""
-        out: dict[str, Any] = {}
-        for name in type(self).model_fields:
-            if name in SERVER_ONLY:
-                continue
-            out[ENGINE_FIELD_NAMES.get(name, name)] = getattr(self, name)
-        return out
+        return {name: getattr(self, name) for name in EngineFields.model_fields}
 
     @property
     def model_name(self) -> str:
@@ -128,11 +82,11 @@ class ServeSettings(BaseSettings):
 
 
 def flag_name(field: str) -> str:
-    return FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+    return "--" + field.replace("_", "-")
 
 
 def env_name(field: str) -> str:
-    return ENV_PREFIX + (FLAG_NAMES.get(field, field)).lstrip("-").replace("-", "_").upper()
+    return ENV_PREFIX + field.upper()
 
 
 def _plain_type(annotation: Any) -> tuple[Any, list[Any] | None]:
@@ -160,7 +114,7 @@ def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argpa
         "server": parser.add_argument_group("server"),
     }
     for name, info in ServeSettings.model_fields.items():
-        group = groups["server" if name in SERVER_ONLY else "model"]
+        group = groups["model" if name in EngineFields.model_fields else "server"]
         if info.is_required():
             help_text = f"{info.description} (required; env {env_name(name)})"
         elif info.default is None:
@@ -192,8 +146,6 @@ def settings_from_args(values: dict[str, Any]) -> ServeSettings:
         problems = []
         for err in exc.errors():
             field = str(err["loc"][0]) if err["loc"] else ""
-            if field.startswith(ENV_PREFIX):
-                field = "hf_config_path"
             where = f"{flag_name(field)} (env {env_name(field)})" if field in ServeSettings.model_fields else field
             if err["type"] == "missing":
                 problems.append(f"{where} is required")
@@ -205,3 +157,49 @@ def settings_from_args(values: dict[str, Any]) -> ServeSettings:
 def parse_settings(argv: list[str], *, prog: str = "minisgl serve", description: str = "") -> ServeSettings:
     """Parse ``minisgl serve`` arguments (see :func:`settings_from_args`)."""
     return settings_from_args(vars(build_parser(prog, description=description).parse_args(argv)))
+
+
+class PreflightError(ValueError):
+    """Settings that were well formed but cannot work (unknown backend, missing model, ...)."""
+
+
+def _flag_for(field: str) -> str:
+    return f"{flag_name(field)} (env {env_name(field)})"
+
+
+def preflight(settings: ServeSettings) -> list[str]:
+    """Check the settings without loading anything heavy; return the active plugin names for the workers."""
+    from ..config import EngineConfig
+    from ..core import ValidationError
+    from ..plugins import UnknownComponentError, load_plugins
+    from .engine_build import likely_device
+
+    device = settings.device
+    try:
+        EngineConfig(**{**settings.engine_fields(), "device": "cpu" if device == "auto" else device})
+    except ValidationError as exc:
+        raise PreflightError(f"{_flag_for(exc.field)}: {exc.message}") from None
+    if not (settings.load_format == "dummy" and settings.hf_config_path):
+        from ..utils.model_path import ModelPathError, resolve_model_path
+
+        try:
+            resolve_model_path(settings.model)
+        except ModelPathError as exc:
+            raise PreflightError(f"--model: {exc}") from None
+    registry = load_plugins()
+    # A component named for a device it cannot run on fails here, with its reason, before any worker starts.
+    target = device.split(":")[0] if device != "auto" else likely_device()
+    checks = [("attention", n.strip()) for n in settings.attention_backend.split(",")]
+    checks += [("prefix_cache", settings.prefix_cache), ("kv_pool", settings.kv_pool), ("moe", settings.moe_backend)]
+    flags = {"attention": "--attn", "prefix_cache": "--cache", "kv_pool": "--kv-pool", "moe": "--moe-backend"}
+    for kind, name in checks:
+        if not name:
+            raise PreflightError(f"--attn: expected NAME or PREFILL,DECODE, got '{settings.attention_backend}'")
+        try:
+            if target is not None:
+                registry.pick(kind, name, target)  # type: ignore[arg-type]
+            elif name != "auto":
+                registry.get(kind, name)  # type: ignore[arg-type]
+        except UnknownComponentError as exc:
+            raise PreflightError(f"{flags[kind]}: {exc}") from None
+    return registry.active_plugin_names()

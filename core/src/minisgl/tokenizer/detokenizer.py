@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
-from ..message import OutputBatch, StepOutput, StopReq, encode
+from ..message import OutputBatch, StepOutput
 from .detokenize import IncrementalDetokenizer
 
 
@@ -94,34 +92,3 @@ class DetokenizerService:
         if self.tokenizer is None:
             return f"<{token}>"
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
-
-
-def detokenizer_main(launch: bytes) -> None:
-    """Entry point of the detokenizer process (see :mod:`minisgl.server.launcher`)."""
-    from ..server.process import serve_inbox, unpack_args, worker_process
-
-    args = unpack_args(launch)
-    addr = args["addresses"]
-    with worker_process("detokenizer", addr["status"]) as (ctx, status):
-        from ..models import ModelSource, load_tokenizer
-
-        service = DetokenizerService(load_tokenizer(ModelSource.from_path(args["model"])))
-        inbox = ctx.socket(zmq.PULL)
-        inbox.bind(addr["detokenizer"])
-        to_api = ctx.socket(zmq.PUSH)
-        to_api.connect(addr["api"])
-        to_sched = ctx.socket(zmq.PUSH)
-        to_sched.connect(addr["scheduler"])
-        status.ready()
-        status.start_heartbeat()
-
-        def handle(msg: Any) -> None:
-            if not isinstance(msg, StepOutput):
-                return
-            batch, stopped = service.process(msg)
-            if batch.rids or batch.failed:
-                to_api.send(encode(batch))
-            for rid in stopped:
-                to_sched.send(encode(StopReq(rid)))
-
-        serve_inbox(inbox, handle)

@@ -14,15 +14,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import zmq
-
 from ..message import (
-    AbortReq,
     GenerateReq,
     RequestFailed,
     TokenizedReq,
     TokenizerLimits,
-    encode,
 )
 
 
@@ -102,35 +98,3 @@ def _max_token_chars(tokenizer: Any) -> int:
     except Exception:  # a tokenizer without a vocabulary listing: no cheap bound
         return 0
     return max((len(t) for t in vocab), default=0)
-
-
-def tokenizer_main(launch: bytes) -> None:
-    """Entry point of a tokenizer process (see :mod:`minisgl.server.launcher`)."""
-    from ..server.process import serve_inbox, unpack_args, worker_process
-
-    args = unpack_args(launch)
-    addr = args["addresses"]
-    name = args["name"]
-    with worker_process(name, addr["status"]) as (ctx, status):
-        from ..models import ModelSource, load_tokenizer
-
-        service = TokenizerService(load_tokenizer(ModelSource.from_path(args["model"])))
-        inbox = ctx.socket(zmq.PULL)
-        inbox.bind(addr[name])
-        to_sched = ctx.socket(zmq.PUSH)
-        to_sched.connect(addr["scheduler"])
-        to_api = ctx.socket(zmq.PUSH)
-        to_api.connect(addr["api"])
-        status.ready(has_tokenizer=service.tokenizer is not None)
-        status.start_heartbeat()
-
-        def handle(msg: Any) -> None:
-            if isinstance(msg, GenerateReq):
-                result = service.tokenize(msg)
-                (to_sched if isinstance(result, TokenizedReq) else to_api).send(encode(result))
-            elif isinstance(msg, AbortReq):
-                to_sched.send(encode(msg))  # behind its request on the same socket
-            elif isinstance(msg, TokenizerLimits):
-                service.limits = msg
-
-        serve_inbox(inbox, handle)

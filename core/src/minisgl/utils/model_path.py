@@ -12,6 +12,10 @@ class ModelPathError(ValueError):
     """The model argument names nothing usable; the message says what to do."""
 
 
+class ModelLoadError(ValueError):
+    """The model path, config or weights cannot be used; the message says why."""
+
+
 def model_in_distribution(name: str) -> Path:
     """The model file (``.gguf``) or directory (holding config.json) inside installed distribution ``name``."""
     try:
