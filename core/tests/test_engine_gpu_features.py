@@ -2,8 +2,7 @@
 
 Overlap scheduling launches batch N+1 before reading batch N's tokens; on
 CPU the same code path runs, so its bookkeeping is checked here against
-lock-step scheduling and transformers. Also: graph batch sizes and the
-benchmark workloads' totals.
+lock-step scheduling and transformers. Also: graph batch sizes.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.benchmark.offline import cpu_workload, gpu_workload, warmup_workload
 from minisgl.engine.graph import graph_batch_sizes
 from minisgl.plugins import PluginRegistry
 from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
@@ -124,27 +122,3 @@ def test_graph_batch_sizes() -> None:
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_batch_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and len(sizes) == 35
-
-
-def test_benchmark_workloads_match_the_protocol() -> None:
-    gpu = gpu_workload()
-    assert len(gpu.prompts) == 256 and gpu.output_tokens == 133_966 and gpu.prompt_tokens == 142_827
-    cpu = cpu_workload()
-    assert len(cpu.prompts) == 32 and cpu.output_tokens == 2_251
-
-
-@pytest.mark.parametrize("workload", [cpu_workload, gpu_workload])
-def test_benchmark_warmup_shares_no_prefix_with_the_timed_prompts(workload) -> None:
-    """A prefix cache must not serve the timed run from the warm-up."""
-    work = workload()
-    warm = warmup_workload(work)
-    assert [len(p) for p in warm.prompts] == [len(p) for p in work.prompts[:8]]
-    for w in warm.prompts:
-        assert all(w[:4] != p[:4] for p in work.prompts)
-
-
-def test_bench_cli_reports_unknown_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
-    from minisgl.benchmark.cli import main
-
-    assert main(["nope"]) == 2
-    assert "unknown benchmark 'nope'" in capsys.readouterr().err

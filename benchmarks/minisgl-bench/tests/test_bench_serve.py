@@ -1,6 +1,6 @@
 """``minisgl bench serve``: metrics against a scripted fake server, workloads, arrivals, errors, JSON, plot.
 
-The fake server (minisgl.benchmark.serve_fake) runs in a background thread of the
+The fake server (minisgl_bench.serve_fake) runs in a background thread of the
 test process and streams known chunks with known delays, so the client's numbers
 can be checked against what was sent.
 """
@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from minisgl.benchmark import serve, serve_plot
-from minisgl.benchmark.serve_client import RequestResult, Target, _Response, _SseSink, stream
-from minisgl.benchmark.serve_fake import (
+from minisgl_bench import serve, serve_plot
+from minisgl_bench.serve_client import RequestResult, Target, _Response, _SseSink, stream
+from minisgl_bench.serve_fake import (
     DONE,
     Reply,
     error_event,
@@ -33,7 +32,7 @@ from minisgl.benchmark.serve_fake import (
     text_event,
     usage_event,
 )
-from minisgl.benchmark.serve_workloads import (
+from minisgl_bench.serve_workloads import (
     Conversation,
     Turn,
     Workload,
@@ -417,7 +416,7 @@ def test_launch_starts_the_server_and_stops_its_whole_group(tmp_path: Path, monk
     monkeypatch.setattr(serve, "load_decode", lambda path: words)
     port = _free_port()
     # A shell that starts the server as its child: stopping must reach the child, not only the shell.
-    cmd = f"{sys.executable} -m minisgl.benchmark.serve_fake --port {port} --interval 0.001; echo never"
+    cmd = f"{sys.executable} -m minisgl_bench.serve_fake --port {port} --interval 0.001; echo never"
     argv = ["--base-url", f"http://127.0.0.1:{port}", "--launch", cmd, "--tokenizer", "words", "--num-requests", "4"]
     argv += ["--warmup", "1", "--input-len", "4", "8", "--output-len", "3", "6", "--no-progress"]
     assert serve.main([*argv, "--output", str(tmp_path), "--label", "launched"]) == 0
@@ -436,14 +435,6 @@ def test_launch_reports_a_server_that_dies_at_start(tmp_path: Path, monkeypatch:
     argv = ["--base-url", f"http://127.0.0.1:{_free_port()}", "--launch", cmd, "--tokenizer", "x"]
     with pytest.raises(SystemExit, match=r"exited with 3 before it was ready:\n.*bad flag --frobnicate"):
         serve.main([*argv, "--output", str(tmp_path)])
-
-
-def test_bench_dispatch_lists_serve_and_plot(capsys: pytest.CaptureFixture[str]) -> None:
-    from minisgl.benchmark import cli
-
-    assert cli.main(["--help"]) == 0
-    out = capsys.readouterr().out
-    assert "serve" in out and "plot" in out
 
 
 def test_base_url_forms() -> None:
@@ -486,13 +477,13 @@ def test_plot_needs_matplotlib_or_says_how_to_get_it(tmp_path: Path, monkeypatch
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        with pytest.raises(SystemExit, match=r"pip install 'minisgl\[bench\]'"):
+        with pytest.raises(SystemExit, match=r"pip install matplotlib"):
             serve_plot.main([*map(str, files), "-o", str(out)])
         return
     assert serve_plot.main([*map(str, files), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(SystemExit, match=r"pip install 'minisgl\[bench\]'"):
+    with pytest.raises(SystemExit, match=r"pip install matplotlib"):
         serve_plot.main([*map(str, files), "-o", str(out)])
 
 

@@ -1,6 +1,7 @@
 """The ``minisgl`` command: a thin dispatcher, so ``--help`` stays fast.
 
-Each subcommand lives in its own module and is imported only when used.
+Each subcommand lives in its own module and is imported only when used. ``bench`` is
+the separate package minisgl-bench; without it, the command says how to install it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("minisgl.server.cli", "start the OpenAI-compatible API server"),
     "chat": ("minisgl.server.chat", "chat with a model in the terminal"),
     "plugins": ("minisgl.plugins.listing", "list installed plugins and what they provide"),
-    "bench": ("minisgl.benchmark.cli", "run a benchmark (offline throughput, serving)"),
+    "bench": ("minisgl_bench.cli", "run a benchmark (offline throughput, serving); needs minisgl-bench"),
+}
+# Subcommands of another distribution: (its top-level module, its name, its path in the source tree).
+SEPARATE: dict[str, tuple[str, str, str]] = {
+    "bench": ("minisgl_bench", "minisgl-bench", "benchmarks/minisgl-bench"),
 }
 
 
@@ -38,7 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     if entry is None:
         print(f"minisgl: unknown command '{args[0]}'\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(entry[0])
+    try:
+        module = importlib.import_module(entry[0])
+    except ModuleNotFoundError as exc:
+        separate = SEPARATE.get(args[0])
+        if separate is None or exc.name not in (separate[0], entry[0]):
+            raise
+        print(
+            f"minisgl {args[0]}: this command is the separate package {separate[1]}, which is not installed.\n"
+            f"Install it from the minisgl source tree: pip install ./{separate[2]}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         code = int(module.main(args[1:]) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

@@ -10,7 +10,7 @@ seconds one one-token chunk to each open stream, until that stream has its
 ``max_tokens``, then a usage chunk. With a short interval this measures how many
 chunks per second the client ingests::
 
-    python -m minisgl.benchmark.serve_fake --port 30001 --interval 0.005 &
+    python -m minisgl_bench.serve_fake --port 30001 --interval 0.005 &
     minisgl bench serve --base-url http://127.0.0.1:30001 --tokenizer TOKENIZER --warmup 0
 """
 
@@ -247,7 +247,7 @@ def fake_server_thread(script: Script, model: str = "fake-model") -> Iterator[Fa
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Serve in step mode until interrupted (``python -m minisgl.benchmark.serve_fake``)."""
+    """Serve in step mode until interrupted (``python -m minisgl_bench.serve_fake``)."""
     p = argparse.ArgumentParser(description="stream one-token chunks in engine-like steps (client ceiling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30001)

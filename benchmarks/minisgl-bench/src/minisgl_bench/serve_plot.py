@@ -1,8 +1,8 @@
 """``minisgl bench plot``: output throughput against p99 time to first token, from ``bench serve`` results.
 
 Each JSON file is one line (its label), with one point per run of its sweep, in the
-order of the sweep's request rates (and concurrencies). Needs matplotlib
-(``pip install 'minisgl[bench]'``).
+order of the sweep's request rates (and concurrencies). Needs matplotlib, a
+dependency of minisgl-bench.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def plot(files: list[Path], out: Path, title: str | None = None) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("minisgl bench plot needs matplotlib: pip install 'minisgl[bench]'") from None
+        raise SystemExit("minisgl bench plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for path in files:
         record = json.loads(path.read_text())
