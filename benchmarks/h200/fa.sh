@@ -7,7 +7,7 @@ set -uo pipefail
 export LIMIT=${LIMIT:-520}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-source docs/benchmarks/h200_setup.sh
+source benchmarks/h200/setup.sh
 b=plugins/minisgl-plugin-fa/build/gpu-b fa_site=/tmp/site-fa
 cat /tmp/fa-stage/cu13.part0 $b/cu13.part[1-9] > /tmp/fa-stage/dsl.tar.xz
 (cd /tmp/fa-stage && sed 's/ .*/  dsl.tar.xz/' "$OLDPWD/$b/SHA256SUMS" | sha256sum -c) 2>&1 | tee -a "$OUT/log.txt"

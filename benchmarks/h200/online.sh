@@ -7,7 +7,7 @@ set -uo pipefail
 export LIMIT=${LIMIT:-520}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-source docs/benchmarks/h200_setup.sh
+source benchmarks/h200/setup.sh
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
   $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
 cat .peer/VERSION | tee -a "$OUT/log.txt"

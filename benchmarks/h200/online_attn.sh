@@ -6,7 +6,7 @@ set -uo pipefail
 export LIMIT=${LIMIT:-330}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-source docs/benchmarks/h200_setup.sh > /dev/null 2>&1
+source benchmarks/h200/setup.sh > /dev/null 2>&1
 export PYTHONPATH=/tmp/site-fa:/tmp/site-fa/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa-cute-cache
 BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate inf 32 --warmup 16 --no-progress --output $OUT"

@@ -1,9 +1,9 @@
 """Where the decode time goes on the GPU: FlashInfer decode variants and a profile window of the real run.
 
-Run on a CUDA machine from the repository root (minisgl and its plugins importable):
+Run on a CUDA machine from the repository root (minisgl, its plugins and minisgl-bench importable):
 
-    python3 docs/benchmarks/gpu_probe.py attention          # decode kernel: page sizes x tensor cores
-    python3 docs/benchmarks/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
+    python3 benchmarks/h200/gpu_probe.py attention          # decode kernel: page sizes x tensor cores
+    python3 benchmarks/h200/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
 
 ``attention`` times FlashInfer's paged decode kernel alone, at the shapes of the offline benchmark
 (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16) for batch 64 and 256 with 600..2000-token
@@ -72,10 +72,10 @@ def attention() -> list[dict]:
 
 def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
     """Profile decode steps ``first .. first + steps`` of the offline workload."""
+    from minisgl_bench.offline import CONFIG_DIR, gpu_workload
     from torch.profiler import ProfilerActivity, profile
 
     from minisgl import LLM, SamplingParams
-    from minisgl.benchmark.offline import CONFIG_DIR, gpu_workload
 
     work = gpu_workload()
     llm = LLM(

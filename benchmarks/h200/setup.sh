@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Sourced by the run_*.sh scripts on a lent H200 host: installs the carried wheels into /tmp/site,
-# puts the project's sources on PYTHONPATH and writes the dist-info metadata that makes the
-# plugins' entry points visible (they are not pip-installed there): every plugin under plugins/,
-# found by its folder. Defines `step LIMIT CMD...`.
+# Sourced by the scripts in benchmarks/h200/ (and tests/gpu_suite.sh) on a lent H200 host: installs the
+# carried wheels into /tmp/site, puts the project's sources on PYTHONPATH (the core, every plugin under
+# plugins/, found by its folder, and the benchmarks, benchmarks/minisgl-bench) and writes the dist-info
+# metadata that makes the plugins' entry points visible (they are not pip-installed there).
+# Defines `step LIMIT CMD...`.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-# The core and every plugins/minisgl-plugin-*/src, each with the dist-info that importlib.metadata reads:
+# The core, every plugins/minisgl-plugin-*/src and minisgl-bench, each with the dist-info that importlib.metadata reads:
 # name, version, its requirement on minisgl and its [project.entry-points.minisgl] (from its pyproject.toml).
-export PYTHONPATH=/tmp/site:$PWD/core/src:$PWD/tests
+export PYTHONPATH=/tmp/site:$PWD/core/src:$PWD/benchmarks/minisgl-bench/src:$PWD/tests
 for src in plugins/minisgl-plugin-*/src; do PYTHONPATH=$PYTHONPATH:$PWD/$src; done
 python3 - <<'PY' || exit 1
 import pathlib, tomllib
-for pyproject in [pathlib.Path("core/pyproject.toml"), *sorted(pathlib.Path("plugins").glob("minisgl-plugin-*/pyproject.toml"))]:
+plugins = sorted(pathlib.Path("plugins").glob("minisgl-plugin-*/pyproject.toml"))
+for pyproject in [pathlib.Path("core/pyproject.toml"), *plugins, pathlib.Path("benchmarks/minisgl-bench/pyproject.toml")]:
     project = tomllib.loads(pyproject.read_text())["project"]
     name, version = project["name"], project["version"]
     requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
