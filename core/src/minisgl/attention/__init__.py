@@ -1,4 +1,4 @@
-"""Attention backends: the interface and the built-in ``torch`` reference."""
+"""Attention backends: the interface, the ``torch`` reference (torch_backend) and ``cpu`` (cpu_backend)."""
 
 from .base import AttentionContext, BaseAttnBackend, HybridAttnBackend
 

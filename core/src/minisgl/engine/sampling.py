@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernel
 from ..core import Req, SamplingParams, TokenLogprob
+from ..kernel import KernelSet, select_kernels
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -35,19 +35,18 @@ class Sampler:
     depend on what else is in the batch.
     """
 
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, kernels: KernelSet | None = None):
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # One-pass Triton sampling on CUDA for plain temperature/greedy rows; seeds for it come from the host.
-        self._fused = kernel.gumbel_sampler() if kernel.enabled(device) else None
-        self._cpu = kernel.cpu_kernels(device, torch.float32)  # argmax in C: torch's runs at ~3 GB/s
-        self._seeds = random.Random(seed)
+        self.kernels = kernels or select_kernels(device, torch.float32)  # logits are sampled in float32
+        self._seeds = random.Random(seed)  # seeds of the one-pass sampler, drawn on the host
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
-        if self._fused is not None and all(_plain(r.params) for r in reqs):
+        fused = self.kernels.gumbel_sample  # plain temperature/greedy rows in one pass (Triton)
+        if fused is not None and all(_plain(r.params) for r in reqs):
             inv = [0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs]
-            tokens = self._fused(logits, to_device(inv, torch.float32, logits.device), self._seeds.randrange(1 << 31))
+            tokens = fused(logits, to_device(inv, torch.float32, logits.device), self._seeds.randrange(1 << 31))
             for r in reqs:
                 r.step_seed += 1
             return SampleResult(tokens, [None] * len(reqs))
@@ -60,7 +59,7 @@ class Sampler:
         )
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
-            tokens = self._argmax(logits)
+            tokens = self.kernels.argmax(logits)
         else:
             tokens = self._sample_random(logits, reqs, greedy)
         if any(lp is not None for lp in logprobs):
@@ -72,11 +71,6 @@ class Sampler:
         for r in reqs:
             r.step_seed += 1
         return SampleResult(tokens, logprobs)
-
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self._cpu is not None and logits.dim() == 2 and logits.dtype == torch.float32 and 1 in logits.stride():
-            return self._cpu.argmax(logits)
-        return logits.argmax(dim=-1)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Req], greedy: list[bool]) -> torch.Tensor:
         n, vocab = logits.shape
@@ -98,7 +92,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
             mask = to_device(greedy, torch.bool, dev)
-            sampled = torch.where(mask, self._argmax(logits), sampled)
+            sampled = torch.where(mask, self.kernels.argmax(logits), sampled)
         return sampled
 
     @staticmethod

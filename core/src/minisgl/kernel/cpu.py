@@ -13,8 +13,8 @@ store and argmax (see docs/design.md, "CPU kernels").
 into a per-user cache (``$MINISGL_CACHE_DIR``, else ``$XDG_CACHE_HOME/minisgl`` or
 ``~/.cache/minisgl``), keyed on the source, compiler, flags and CPU, so it runs once
 per machine; a build takes under a second. Without a working compiler it logs one
-warning and returns ``None``, and callers keep their PyTorch paths. Setting
-``MINISGL_DISABLE_CPU_KERNELS=1`` does the same without trying (for ablations).
+warning and returns ``None``, and the layers keep their PyTorch paths (``EngineConfig(kernels="torch")``
+uses those without trying).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "MINISGL_DISABLE_CPU_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 ABI_VERSION = 1
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
@@ -60,10 +59,6 @@ _SIGNATURES = {
 
 class CpuKernelBuildError(RuntimeError):
     """The C compiler is missing or rejected the kernels; the message has its output."""
-
-
-def disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") not in ("", "0", "false", "False")
 
 
 def cache_root() -> Path:
@@ -319,7 +314,7 @@ class CpuKernels:
         ``q``: ``[B, hq, d]`` (any strides with ``d`` contiguous); ``k_cache``/``v_cache``: the pool's
         ``[..., hkv, d]`` buffers of one layer, contiguous; ``page_table[table_rows[b], t]``: the slot
         of position ``t`` (int32); ``table_rows``/``kv_lens``: int64 ``[B]``. Returns ``[B, hq * d]``.
-        float32 on CPU only: callers check :meth:`supports` first.
+        float32 on CPU only.
         """
         bsz, hq, d = q.shape
         hkv = k_cache.shape[-2]
@@ -357,20 +352,11 @@ class CpuKernels:
             raise MemoryError("decode_attention: out of memory for the score buffers")
         return out
 
-    @staticmethod
-    def supports(*tensors: torch.Tensor) -> bool:
-        return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
-def load_cpu_kernels() -> CpuKernels | None:
-    """The kernels for this process (built or found once), or ``None`` where they cannot be
-    built or ``MINISGL_DISABLE_CPU_KERNELS`` is set."""
-    return None if disabled() else _load()
-
 
 @functools.cache
-def _load() -> CpuKernels | None:
-    # Cached: the library is immutable and every engine in the process shares it.
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels for this process (built or found once: every engine shares them), or ``None``
+    where they cannot be built."""
     try:
         return CpuKernels.open(build())
     except (CpuKernelBuildError, OSError) as exc:

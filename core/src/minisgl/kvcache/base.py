@@ -5,9 +5,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..kernel import KernelSet
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    kernels: KernelSet | None = None  # what ``store_kv`` runs; None: select_kernels(device, dtype, "auto")
 
     @property
     def num_slots(self) -> int:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..distributed import Communicator, TPInfo
+from ..kernel import KernelSet, select_kernels
 from .context import ForwardContext
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
@@ -29,22 +30,23 @@ class AttentionBlock(nn.Module):
         comm: Communicator,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: KernelSet | None = None,
     ):
         super().__init__()
+        kernels = kernels or select_kernels(device, dtype)
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         self.layer_id = layer_id
         self.head_dim = head_dim
-        self.qkv_proj = QKVParallelLinear(
-            hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, dtype=dtype, device=device
-        )
+        kw: dict[str, Any] = {"dtype": dtype, "device": device, "kernels": kernels}
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, **kw)
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
-        self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, **kw)
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, eps, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, **kw) if qk_norm else None
         self.rotary = rotary  # shared by every layer: one cos/sin table per model
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernel
 from ..distributed import Communicator, SingleCommunicator, TPInfo
-from .linear import linear, set_loader
+from ..kernel import KernelSet, select_kernels
+from .linear import set_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,6 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         comm: Communicator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        kernels: KernelSet | None = None,
     ):
         super().__init__()
         self.tp, self.comm = tp, comm or SingleCommunicator()
@@ -35,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.zeros(self.local_vocab, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         set_loader(self.weight, self.load_weight)
-        self._cpu = kernel.cpu_kernels(device, self.weight.dtype)  # the LM head's GEMM at few rows
+        self.kernels = kernels or select_kernels(device, self.weight.dtype)  # the LM head's GEMM
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         end = min(self.vocab_start + self.local_vocab, loaded.shape[0])
@@ -56,7 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, kernels=self._cpu)
+        logits = self.kernels.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -9,17 +9,14 @@ the index of a merged column block).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernel
 from ..distributed import Communicator, SingleCommunicator, TPInfo
-
-if TYPE_CHECKING:
-    from ..kernel.cpu import CpuKernels
+from ..kernel import KernelSet, select_kernels
 
 WeightLoader = Callable[..., None]
 
@@ -34,65 +31,19 @@ def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = No
     param.data.copy_(loaded)
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: CpuKernels | None = None
-) -> torch.Tensor:
-    """``F.linear``, computed the fastest way measured for the shape on CPU float32.
-
-    With the native CPU kernels (``kernels``, see :mod:`minisgl.kernel.cpu`) and at most
-    ``GEMM_MAX_ROWS`` rows (decode batches), their GEMM: it streams the weight at memory
-    speed, where MKL's reaches about half of that with few rows.
-
-    Otherwise MKL, with the product computed as ``(weight @ x.T).T`` where that is faster:
-    MKL's float32 GEMM is slow when ``x`` has few rows, and on some CPUs it is far slower
-    (AMD EPYC, 2 threads: 1.2-1.6x for 16-256 rows on this project's layer shapes, 1.5-2.3x
-    at 2-4 rows, 1.5-2.8x for a 49k-row LM head at 2-64 rows). With the weight as the left
-    operand its rows are the long side of the product and the same library runs near its
-    large-matrix rate. From 16 rows the result is a transposed view (every caller here
-    accepts any strides); below that, both ``x`` and the result are made row-major: there
-    the GEMM runs 2-3x slower on a column-major ``x``, and a column-major result would make
-    the next layer's input one, and every row-wise op on it (RMSNorm) slower too. CUDA and
-    other dtypes take ``F.linear`` unchanged.
-    """
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    if kernels is not None and 0 < rows <= kernels.GEMM_MAX_ROWS and weight.stride(-1) == 1:
-        x2 = x.reshape(rows, x.shape[-1])
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        return kernels.linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    if not _weight_major(rows):
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    if rows < 16:
-        x2 = x2.contiguous()
-    y = torch.mm(weight, x2.t()).t()
-    if rows < 16:
-        y = y.contiguous()
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def _weight_major(rows: int) -> bool:
-    """Whether :func:`linear` computes ``weight @ x.T`` (a rule measured on MKL, see there).
-
-    It wins on every shape measured at 2-8 and 16-256 rows, and breaks even at 10-15
-    (SmolLM2's four layer shapes, summed: within 10% either way); one row is a
-    matrix-vector product either way, and from a few hundred rows on (prefill) the two
-    are equal or ``F.linear`` wins.
-    """
-    return 2 <= rows <= 256
-
-
 def _param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class LinearBase(nn.Module):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, device: torch.device | None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype | None,
+        device: torch.device | None,
+        kernels: KernelSet | None = None,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -101,20 +52,22 @@ class LinearBase(nn.Module):
         set_loader(self.weight, self.load_weight)
         if self.bias is not None:
             set_loader(self.bias, self.load_weight)
-        self._cpu = kernel.cpu_kernels(device, self.weight.dtype)
+        self.kernels = kernels or select_kernels(device, self.weight.dtype)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._cpu)
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
     """The same full weight on every rank."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, dtype=None, device=None):
-        super().__init__(in_features, out_features, bias, dtype, device)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, *, dtype=None, device=None, kernels=None
+    ):
+        super().__init__(in_features, out_features, bias, dtype, device, kernels)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -133,10 +86,11 @@ class ColumnParallelLinear(LinearBase):
         tp: TPInfo = TPInfo(),
         dtype=None,
         device=None,
+        kernels=None,
     ):
         self.tp = tp
         self.local_sizes = [tp.shard(s, "linear output size") for s in output_sizes]
-        super().__init__(in_features, sum(self.local_sizes), bias, dtype, device)
+        super().__init__(in_features, sum(self.local_sizes), bias, dtype, device, kernels)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         index = 0 if shard_id is None else int(shard_id)
@@ -166,6 +120,7 @@ class QKVParallelLinear(LinearBase):
         tp: TPInfo = TPInfo(),
         dtype=None,
         device=None,
+        kernels=None,
     ):
         self.tp = tp
         self.head_dim = head_dim
@@ -182,7 +137,7 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         q, kv = self.local_heads * head_dim, self.local_kv_heads * head_dim
         self.sizes = {"q": q, "k": kv, "v": kv}
-        super().__init__(hidden_size, q + 2 * kv, bias, dtype, device)
+        super().__init__(hidden_size, q + 2 * kv, bias, dtype, device, kernels)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id not in self.sizes:
@@ -209,11 +164,12 @@ class RowParallelLinear(LinearBase):
         comm: Communicator | None = None,
         dtype=None,
         device=None,
+        kernels=None,
     ):
         self.tp = tp
         self.comm = comm or SingleCommunicator()
         self._fp32_mm_ok: bool | None = None  # probed on first use
-        super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, dtype, device)
+        super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, dtype, device, kernels)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if param.dim() == 2:
@@ -223,7 +179,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self._cpu)
+            return self.kernels.linear(x, self.weight, self.bias)
         partial = self._partial_fp32(x) if self._reduce_fp32 else None
         if partial is not None:
             # Partial sums stay float32 through the all-reduce and are rounded once, as a

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernel
 from ..distributed import Communicator, TPInfo
+from ..kernel import KernelSet, select_kernels
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -33,21 +35,19 @@ class GatedMLP(nn.Module):
         comm: Communicator,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: KernelSet | None = None,
     ):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], tp=tp, dtype=dtype, device=device
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, comm=comm, dtype=dtype, device=device)
+        kernels = kernels or select_kernels(device, dtype)
+        kw: dict[str, Any] = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm=comm, **kw)
         self.act = activation(act)
-        self._fused = kernel.silu_mul_kernel() if act == "silu" and kernel.enabled(device) else None
-        self._cpu = kernel.cpu_kernels(device, dtype) if act == "silu" else None
+        self.act_mul = kernels.silu_mul if act == "silu" else self._act_mul
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused is not None:  # one Triton kernel on CUDA (see minisgl.kernel)
-            return self.down_proj(self._fused(self.gate_up_proj(x)))
-        gate_up = self.gate_up_proj(x)
-        if self._cpu is not None and gate_up.dim() == 2 and gate_up.dtype == torch.float32:  # one C kernel
-            return self.down_proj(self._cpu.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))

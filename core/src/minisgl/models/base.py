@@ -10,13 +10,14 @@ from :class:`DecoderLayer`, :class:`~minisgl.layers.AttentionBlock` and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
+from ..kernel import KernelSet, select_kernels
 from ..layers import ForwardContext, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
 from ..moe import BaseMoEBackend
 
@@ -31,17 +32,20 @@ class ModelContext:
     tp: TPInfo = TPInfo()
     comm: Communicator = SingleCommunicator()
     moe_backend: BaseMoEBackend | None = None
+    kernels: KernelSet | None = None  # None: select_kernels(device, dtype, "auto")
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, *, dtype, device):
+    def __init__(
+        self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, *, dtype, device, kernels=None
+    ):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device, kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device, kernels=kernels)
 
     def forward(
         self,
@@ -86,11 +90,14 @@ class CausalLM(nn.Module):
     def __init__(self, ctx: ModelContext):
         super().__init__()
         cfg = ctx.config
+        if ctx.kernels is None:  # chosen once here, so that make_layer passes ctx.kernels to every layer
+            ctx = replace(ctx, kernels=select_kernels(ctx.device, ctx.dtype))
         self.ctx = ctx
         self.config = cfg
-        kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device}
+        kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device, "kernels": ctx.kernels}
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = RotaryEmbedding(head_dim, self.max_positions, rope_parameters(cfg), device=ctx.device)
+        params = rope_parameters(cfg)
+        self.rotary = RotaryEmbedding(head_dim, self.max_positions, params, device=ctx.device, kernels=ctx.kernels)
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
         layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
         self.model = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
+from ..kernel import KernelSet
 from ..layers import ReplicatedLinear
 from .base import BaseMoEBackend, route
 
@@ -170,13 +171,14 @@ class SparseMoEBlock(nn.Module):
         comm: Communicator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        kernels: KernelSet | None = None,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top-k ({top_k}) must be between 1 and the number of experts ({num_experts})")
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype, device=device)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype, device=device, kernels=kernels)
         self.experts = MoEExperts(
             num_experts, hidden_size, intermediate_size, backend=backend, tp=tp, comm=comm, dtype=dtype, device=device
         )

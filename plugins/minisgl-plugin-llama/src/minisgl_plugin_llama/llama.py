@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from minisgl.layers import AttentionBlock, GatedMLP
@@ -16,7 +18,8 @@ class LlamaForCausalLM(CausalLM):
 
     def make_layer(self, layer_id: int) -> nn.Module:
         cfg, ctx = self.config, self.ctx
-        kw = {"tp": ctx.tp, "comm": ctx.comm, "dtype": ctx.dtype, "device": ctx.device}
+        layer_kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device, "kernels": ctx.kernels}
+        kw: dict[str, Any] = {"tp": ctx.tp, "comm": ctx.comm, **layer_kw}
         attn = AttentionBlock(
             cfg,
             layer_id,
@@ -26,4 +29,4 @@ class LlamaForCausalLM(CausalLM):
             **kw,
         )
         mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), **kw)
-        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype, device=ctx.device)
+        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, **layer_kw)

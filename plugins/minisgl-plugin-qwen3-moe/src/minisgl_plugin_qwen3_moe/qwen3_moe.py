@@ -30,7 +30,8 @@ def is_sparse_layer(config: Any, layer_id: int) -> bool:
 class Qwen3MoeForCausalLM(CausalLM):
     def make_layer(self, layer_id: int) -> nn.Module:
         cfg, ctx = self.config, self.ctx
-        kw: dict[str, Any] = {"tp": ctx.tp, "comm": ctx.comm, "dtype": ctx.dtype, "device": ctx.device}
+        layer_kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device, "kernels": ctx.kernels}
+        kw: dict[str, Any] = {"tp": ctx.tp, "comm": ctx.comm, **layer_kw}
         attn = AttentionBlock(
             cfg,
             layer_id,
@@ -55,7 +56,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             )
         else:
             mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, **kw)
-        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype, device=ctx.device)
+        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, **layer_kw)
 
     def map_weight_name(self, name: str) -> tuple[str, Any]:
         # Expert names first: the dense table would turn experts.N.gate_proj into a gate_up_proj shard.
