@@ -11,7 +11,7 @@ from minisgl.attention import AttentionContext, BaseAttnBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch
 from minisgl.plugins import PluginRegistry, load_plugins
-from minisgl.testing.attention import ATTN_CASES, AttentionBackendConformance, AttentionHarness
+from minisgl.testing.attention import ATTN_CASES, AttentionBackendConformance, AttentionHarness, AttnCase
 from minisgl.testing.kv_pool import KVPoolConformance
 
 
@@ -207,10 +207,43 @@ def test_harness_reports_request_and_position() -> None:
 
 
 def test_context_matches_engine_fields() -> None:
-    """The harness builds the AttentionContext the engine builds: page table from the manager."""
+    """The harness builds the AttentionContext the engine builds: a device table apart from the manager's."""
     from minisgl.kvcache import MHAKVPool
 
     h = AttentionHarness(TorchAttnBackend, MHAKVPool, ATTN_CASES[0])
     assert isinstance(h.ctx, AttentionContext)
-    assert h.ctx.page_table is h.manager.table
-    assert h.ctx.max_seq_len == h.manager.max_seq_len
+    assert h.ctx.page_table is h.page_table and h.page_table is not h.manager.table
+    assert h.ctx.max_seq_len == h.manager.max_seq_len == h.page_table.shape[1]
+
+
+class _RecordsTable(TorchAttnBackend):
+    """Records, per batch, the page-table rows it was given for each request's tokens."""
+
+    seen: list[list[list[int]]] = []
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        super().prepare_metadata(batch)
+        _RecordsTable.seen.append([self.ctx.page_table[r.table_idx, : r.device_len].tolist() for r in batch.reqs])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_kit_runs_the_production_page_table_path(page_size: int) -> None:
+    """The backend reads only what StepInputs mirrored from the manager's new entries (the engine's path):
+    prefix-cache slots written before the first step, chunks, decode across pages, a reused row."""
+    from minisgl.kvcache import MHAKVPool
+
+    _RecordsTable.seen = []
+    h = AttentionHarness(_RecordsTable, MHAKVPool, AttnCase(page_size, 2, 64))
+    hit = h.add_request(2 * page_size + 5, cached_prefix=2 * page_size)
+    other = h.add_request(9)
+    assert not h.page_table.any(), "the device table changes only when a step is launched"
+    plan = [[(hit, 5), (other, 4)], [(other, 5)], [(hit, 1), (other, 1)], [(hit, 1), (other, 1)]]
+    for step in plan:
+        h.step(step)
+        rows = [h.manager.table[r.table_idx, : r.device_len].tolist() for r, _ in step]
+        assert _RecordsTable.seen[-1] == rows
+    h.release(other)
+    fresh = h.add_request(3)
+    assert fresh.table_idx == 1  # other's row, reused: its stale entries are overwritten
+    h.step([(fresh, 3), (hit, 1)])
+    assert _RecordsTable.seen[-1][0] == h.manager.table[1, :3].tolist()

@@ -84,18 +84,17 @@ def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
     would return rows only for the rest (a radix cache holds every prompt ``llm`` generated from).
     """
     sched = llm.scheduler
-    llm.engine.kv.reset_cache()
+    sched.kv.reset_cache()
     reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
     for r in reqs:
-        assert llm.engine.kv.try_admit(r)
+        assert sched.kv.try_admit(r)
         assert r.cached_len == 0, f"the prefix cache served {r.cached_len} tokens of a {r.prompt_len}-token sequence"
         r.device_len = r.prompt_len
     batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    sched._prepare(batch)
-    logits = llm.engine.prefill_logits(batch).float()
+    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
     for r in reqs:
         sched.waiting.remove(r)
-        llm.engine.kv.release(r)
+        sched.kv.release(r)
     positions = sum(len(s) for s in seqs)
     assert logits.shape[0] == positions, f"{logits.shape[0]} rows of logits for {positions} positions"
     return logits

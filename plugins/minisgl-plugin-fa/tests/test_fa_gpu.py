@@ -97,11 +97,8 @@ def test_decode_replayed_from_a_cuda_graph(page_size: int) -> None:
         reqs = [h.add_request(n, max_new_tokens=4) for n in lens]
         h.step([(r, r.prompt_len) for r in reqs])  # prefill through fa (checked against torch)
         n = len(reqs)
-        locs = []
-        for r in reqs:
-            r.device_len = r.cached_len + 1
-            locs.append(h.manager.allocate(r, r.device_len))
-        batch = Batch(reqs, "decode", out_loc=torch.cat(locs).to("cuda"), padded_size=8)
+        batch = h.prepare([(r, 1) for r in reqs], "decode")  # the engine's path: table mirrored, out_loc
+        batch.padded_size = 8
         q = torch.randn(n, hq * d, dtype=c.dtype, device="cuda")
         k = torch.randn(n, hkv * d, dtype=c.dtype, device="cuda")
         v = torch.randn(n, hkv * d, dtype=c.dtype, device="cuda")
@@ -177,15 +174,14 @@ def reference(tiny_model: Path, prompts: list[list[int]]) -> Iterator[Reference]
 def _reference_logits(llm: LLM, seq: list[int]) -> torch.Tensor:
     """Logits after ``seq`` from the reference engine: one fresh prefill, nothing sampled or cached."""
     sched = llm.scheduler
-    llm.engine.kv.reset_cache()
+    sched.kv.reset_cache()
     req = sched.add_request(seq, SamplingParams(max_tokens=1))
-    assert llm.engine.kv.try_admit(req)
+    assert sched.kv.try_admit(req)
     req.device_len = req.prompt_len
     batch = Batch([req], "prefill", sample_mask=[True])
-    sched._prepare(batch)
-    logits = llm.engine.prefill_logits(batch).float()
+    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
     sched.waiting.remove(req)
-    llm.engine.kv.release(req)
+    sched.kv.release(req)
     return logits[-1]
 
 

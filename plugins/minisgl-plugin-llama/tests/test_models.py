@@ -44,11 +44,10 @@ def test_prefill_logits_match_transformers(tiny_model) -> None:
         sched = llm.scheduler
         reqs = [sched.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
         for r in reqs:
-            assert llm.engine.kv.try_admit(r)
+            assert sched.kv.try_admit(r)
             r.device_len = r.prompt_len
         batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-        sched._prepare(batch)
-        logits = llm.engine.prefill_logits(batch)
+        logits = llm.engine.prefill_logits(batch, sched._prepare(batch))
         start = 0
         for p in prompts:
             with torch.no_grad():
@@ -58,8 +57,8 @@ def test_prefill_logits_match_transformers(tiny_model) -> None:
             assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
         for r in reqs:
             sched.waiting.remove(r)
-            llm.engine.kv.release(r)
-        llm.engine.kv.check_accounting([])
+            sched.kv.release(r)
+        sched.kv.check_accounting([])
 
 
 def test_mixed_batch_and_staggered_arrivals(tiny_model, references) -> None:

@@ -46,11 +46,10 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     sched = llm.scheduler
     reqs = [sched.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
     for r in reqs:
-        assert llm.engine.kv.try_admit(r)
+        assert sched.kv.try_admit(r)
         r.device_len = r.prompt_len
     batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    sched._prepare(batch)
-    return llm.engine.prefill_logits(batch)
+    return llm.engine.prefill_logits(batch, sched._prepare(batch))
 
 
 def hf_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:

@@ -1,10 +1,16 @@
-"""The engine: builds the model, KV pool and attention backend, and runs one batch."""
+"""The engine: builds the model, KV pool and attention backend, and runs one batch.
+
+One step: the scheduler allocates KV slots in its :class:`~minisgl.kvcache.KVCacheManager`
+(host page table), :meth:`Engine.prepare` turns the batch and the manager's new table
+entries into :class:`StepInputs` on the device, and :meth:`Engine.launch` mirrors those
+entries into the engine's device page table and runs the batch. The engine never reads
+the manager; its device state (page table, last sampled tokens) changes only in ``launch``.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +20,7 @@ from ..attention import AttentionContext, BaseAttnBackend, HybridAttnBackend
 from ..config import EngineConfig
 from ..core import Batch, TokenLogprob, ValidationError
 from ..distributed import Communicator, SingleCommunicator, TPInfo
-from ..kvcache import BaseKVPool, KVCacheManager, KVLayout
+from ..kvcache import BaseKVPool, KVLayout
 from ..layers import ForwardContext
 from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
 from ..moe import BaseMoEBackend
@@ -65,13 +71,13 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValidationError("device", "CUDA was requested but torch sees no CUDA device")
 
-        if config.load_format == "dummy" and config.model_config:
+        if config.load_format == "dummy" and config.hf_config_path:
             # Random weights of the configured shapes: no checkpoint is read.
             self.source = None
-            self.hf_config = load_config(ModelSource(path=_dummy_path(config.model)), config.model_config)
+            self.hf_config = load_config(ModelSource(path=_dummy_path(config.model)), config.hf_config_path)
         else:
             self.source = ModelSource.from_path(config.model)
-            self.hf_config = load_config(self.source, config.model_config)
+            self.hf_config = load_config(self.source, config.hf_config_path)
         archs = list(getattr(self.hf_config, "architectures", None) or []) or _causal_lm_for(self.hf_config)
         if not archs:
             raise ModelLoadError(
@@ -85,12 +91,14 @@ class Engine:
         self.model = self._build_model()
         logger.info("model %s loaded in %.1fs", self.architecture, time.perf_counter() - t0)
         self.max_model_len = self._max_model_len()
-        self.kv_pool, self.kv = self._build_kv()
+        self.kv_pool = self._build_kv_pool()
+        # The device mirror of the scheduler's page table (row -> token slots), filled by launch.
+        cols = -(-self.max_model_len // config.page_size) * config.page_size
+        self.page_table = torch.zeros((config.max_running_requests, cols), dtype=torch.int32, device=self.device)
         self.attn = self._build_attention()
         self.sampler = Sampler(self.device, config.seed)
         # The token each request sampled last, by table row: the input of its next decode step.
         self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
-        self._inputs: weakref.WeakKeyDictionary[Batch, _SampleInputs] = weakref.WeakKeyDictionary()
         self.graphs = self._build_graphs()
 
     # ------------------------------------------------------------------ build
@@ -152,7 +160,7 @@ class Engine:
         tokens = min(want_tokens, budget // layout_bytes_per_token)
         return max(2, tokens // ps + 1)
 
-    def _build_kv(self) -> tuple[BaseKVPool, KVCacheManager]:
+    def _build_kv_pool(self) -> BaseKVPool:
         cfg, hf = self.config, self.hf_config
         heads = hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
@@ -162,20 +170,13 @@ class Engine:
         num_pages = self._num_pages(probe.bytes_per_token())
         layout = KVLayout(hf.num_hidden_layers, num_pages, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
         pool = self.kv_pool_spec.build(layout)
-        cache = self.prefix_cache_spec.build(page_size=cfg.page_size, device=self.device)
-        # The manager keeps its table on the host only; the engine mirrors the rows a batch
-        # touches to the device table in one scatter per step (see prepare_decode/prepare_prefill).
-        manager = KVCacheManager(
-            num_pages, cfg.page_size, cfg.max_running_requests, self.max_model_len, cache, torch.device("cpu")
-        )
-        self.page_table = manager.cpu_table if self.device.type == "cpu" else manager.cpu_table.to(self.device)
         logger.info(
             "KV pool: %d pages of %d tokens (%.2f GiB)",
             num_pages,
             cfg.page_size,
             layout.bytes_per_token() * layout.num_slots / (1 << 30),
         )
-        return pool, manager
+        return pool
 
     def _build_attention(self) -> BaseAttnBackend:
         hf = self.hf_config
@@ -189,7 +190,7 @@ class Engine:
             kv_pool=self.kv_pool,
             page_table=self.page_table,
             max_batch_size=self.config.max_running_requests,
-            max_seq_len=self.kv.max_seq_len,
+            max_seq_len=self.page_table.shape[1],
             dtype=self.dtype,
             device=self.device,
         )
@@ -229,7 +230,7 @@ class Engine:
             reason = other.unsupported_reason("cuda")
             if reason is not None:
                 why.append(f"{other.name}: {reason or 'not supported on cuda'}")
-        hint = "install a GPU attention backend, e.g. pip install 'minisgl-plugin-flashinfer[cuda]'"
+        hint = "install a GPU attention backend, e.g. pip install ./plugins/minisgl-plugin-flashinfer (see docs/gpu.md)"
         logger.warning(
             "attention 'auto' fell back to the torch reference backend on CUDA (slow, no CUDA graphs): %s",
             "; ".join(why) if why else hint,
@@ -246,83 +247,23 @@ class Engine:
             logger.info("CUDA graphs off: the MoE backend %s cannot be captured", type(self.moe_backend).__name__)
             return None
         return CudaGraphRunner(
-            self.model, self.attn, max_bs=max_bs, max_seq_len=self.kv.max_seq_len, device=self.device
+            self.model, self.attn, max_bs=max_bs, max_seq_len=self.page_table.shape[1], device=self.device
         )
 
-    # ----------------------------------------------------------- batch inputs
-    def _to_device(self, values: list[int] | torch.Tensor) -> torch.Tensor:
-        """int64 values to the device: one pinned, non-blocking copy on CUDA."""
-        if self.device.type == "cpu":
-            return values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-        if isinstance(values, torch.Tensor):
-            host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(values)
-        else:
-            host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
+    # ------------------------------------------------------------------- step
+    def prepare(self, batch: Batch, new_entries: torch.Tensor | None) -> StepInputs:
+        """The device inputs of ``batch``; ``new_entries``: the scheduler's page-table entries not
+        yet mirrored (:meth:`~minisgl.kvcache.KVCacheManager.take_new_entries`)."""
+        return StepInputs.build(batch, new_entries, self.device)
 
-    def prepare_decode(self, batch: Batch) -> None:
-        """Device tensors of a decode batch whose slots are allocated (``kv.allocate``).
-
-        Each request feeds back the token it sampled last, read from the device
-        buffer the previous step wrote, so the host never needs that token first.
-        """
-        rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64)
-        pos = torch.tensor([r.cached_len for r in batch.reqs], dtype=torch.int64)
-        loc = self.kv.cpu_table[rows, pos].to(torch.int64)
-        dev = self._to_device(torch.stack([rows, pos, loc]))
-        batch.input_ids = self.last_token[dev[0]]
-        batch.positions, batch.out_loc = dev[1], dev[2]
-        if self.page_table is not self.kv.cpu_table:
-            self.page_table[dev[0], dev[1]] = dev[2].to(torch.int32)
-        self._inputs[batch] = _SampleInputs(rows=None, table_rows=dev[0])
-
-    def prepare_prefill(self, batch: Batch, out_loc: list[torch.Tensor]) -> None:
-        """Device tensors of a prefill batch; ``out_loc[i]`` are request ``i``'s new slots."""
-        ids: list[int] = []
-        pos: list[int] = []
-        for req in batch.reqs:
-            ids.extend(req.input_ids[req.cached_len : req.device_len])
-            pos.extend(range(req.cached_len, req.device_len))
-        n = len(ids)
-        ends: list[int] = []
-        table_rows: list[int] = []
-        end = -1
-        for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
-            end += req.extend_len
-            if samples:
-                ends.append(end)
-                table_rows.append(req.table_idx)
-        host = [
-            torch.tensor(ids + pos, dtype=torch.int64),
-            *out_loc,
-            torch.tensor(ends + table_rows, dtype=torch.int64),
-        ]
-        dev = self._to_device(torch.cat(host))
-        batch.input_ids, batch.positions, batch.out_loc = dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n]
-        k = len(ends)
-        self._inputs[batch] = _SampleInputs(rows=dev[3 * n : 3 * n + k], table_rows=dev[3 * n + k :])
-        if self.page_table is not self.kv.cpu_table:
-            # Mirror each row's slots [0, device_len) (prefix-cache hits included) to the device table.
-            rows = [r.table_idx for r in batch.reqs]
-            lens = [r.device_len for r in batch.reqs]
-            vals = torch.cat([self.kv.cpu_table[r, :n_] for r, n_ in zip(rows, lens, strict=False)]).to(torch.int64)
-            idx = [r for r, n_ in zip(rows, lens, strict=False) for _ in range(n_)] + [
-                p for n_ in lens for p in range(n_)
-            ]
-            d = self._to_device(torch.cat([torch.tensor(idx, dtype=torch.int64), vals]))
-            m = len(vals)
-            self.page_table[d[:m], d[m : 2 * m]] = d[2 * m :].to(torch.int32)
-
-    # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def launch(self, batch: Batch) -> PendingStep:
-        """Enqueue ``batch`` (prepared) on the device; sampled tokens arrive in the returned handle.
+    def launch(self, batch: Batch, inputs: StepInputs) -> PendingStep:
+        """Enqueue ``batch`` on the device; sampled tokens arrive in the returned handle.
 
         On CUDA nothing here waits for the device: the next batch can be
         prepared while this one runs.
         """
-        inputs = self._inputs.pop(batch)
+        inputs.apply(batch, self.page_table, self.last_token)
         reqs = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.replay(batch)
@@ -332,9 +273,10 @@ class Engine:
             hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
             if not reqs:
                 return PendingStep(torch.empty(0, dtype=torch.int64), [], None)
-            logits = self.model.compute_logits(hidden if inputs.rows is None else hidden[inputs.rows])
+            logits = self.model.compute_logits(hidden if inputs.sample_idx is None else hidden[inputs.sample_idx])
         result = self.sampler.sample(logits, reqs)
-        self.last_token[inputs.table_rows] = result.tokens
+        rows = inputs.rows if inputs.sample_idx is None else inputs.rows[inputs.sample_idx]
+        self.last_token[rows] = result.tokens
         if self.device.type == "cpu":
             return PendingStep(result.tokens, result.logprobs, None)
         host = torch.empty(result.tokens.shape, dtype=torch.int64, pin_memory=True)
@@ -343,24 +285,65 @@ class Engine:
         event.record()
         return PendingStep(host, result.logprobs, event)
 
-    def forward(self, batch: Batch) -> StepResult:
-        """Run ``batch`` (prepared) and wait for the tokens of the requests that finish their prompt."""
-        return self.launch(batch).result()
-
     @torch.inference_mode()
-    def prefill_logits(self, batch: Batch) -> torch.Tensor:
+    def prefill_logits(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:
         """Logits at every new position of ``batch`` (for tests and scoring)."""
+        inputs.apply(batch, self.page_table, self.last_token)
         assert batch.input_ids is not None and batch.positions is not None
-        self._inputs.pop(batch, None)
         self.attn.prepare_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
         return self.model.compute_logits(hidden)
 
 
 @dataclass
-class _SampleInputs:
-    rows: torch.Tensor | None  # rows of the hidden states that sample (None: all)
-    table_rows: torch.Tensor  # table row of each sampling request, for the fed-back token
+class StepInputs:
+    """One batch's inputs on the device, from :meth:`Engine.prepare` to :meth:`Engine.launch`."""
+
+    rows: torch.Tensor  # page-table row of each new token
+    positions: torch.Tensor  # position of each new token
+    input_ids: torch.Tensor | None  # None (decode): the token each row sampled last
+    sample_idx: torch.Tensor | None  # the tokens whose logits are sampled (None: all)
+    new_entries: torch.Tensor | None  # [3, n] (row, column, slot) to mirror into the page table
+
+    @classmethod
+    def build(cls, batch: Batch, new_entries: torch.Tensor | None, device: torch.device) -> StepInputs:
+        """Host work and one host-to-device copy (pinned, non-blocking on CUDA)."""
+        if batch.is_decode:
+            rows = [r.table_idx for r in batch.reqs]
+            pos = [r.cached_len for r in batch.reqs]
+            ids: list[int] = []
+            sample: list[int] = []
+        else:
+            rows, pos, ids, sample = [], [], [], []
+            for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
+                rows.extend([req.table_idx] * req.extend_len)
+                pos.extend(range(req.cached_len, req.device_len))
+                ids.extend(req.input_ids[req.cached_len : req.device_len])
+                if samples:
+                    sample.append(len(pos) - 1)
+        n, k = len(rows), len(sample)
+        parts = [torch.tensor(rows + pos + ids + sample, dtype=torch.int64)]
+        if new_entries is not None:
+            parts.append(new_entries.view(-1))
+        host = torch.cat(parts)
+        if device.type != "cpu":
+            host = host.pin_memory().to(device, non_blocking=True)
+        tail = host[2 * n + len(ids) + k :]  # decode has no ids
+        return cls(
+            rows=host[:n],
+            positions=host[n : 2 * n],
+            input_ids=host[2 * n : 3 * n] if batch.is_prefill else None,
+            sample_idx=host[3 * n : 3 * n + k] if batch.is_prefill else None,
+            new_entries=tail.view(3, -1) if new_entries is not None else None,
+        )
+
+    def apply(self, batch: Batch, page_table: torch.Tensor, last_token: torch.Tensor) -> None:
+        """Mirror the new entries into ``page_table`` and give ``batch`` its tensors."""
+        if self.new_entries is not None:
+            page_table[self.new_entries[0], self.new_entries[1]] = self.new_entries[2].to(page_table.dtype)
+        batch.positions = self.positions
+        batch.out_loc = page_table[self.rows, self.positions].to(torch.int64)
+        batch.input_ids = last_token[self.rows] if self.input_ids is None else self.input_ids
 
 
 @dataclass

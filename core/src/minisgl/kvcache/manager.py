@@ -19,6 +19,11 @@ too: before each admission, the computed page-aligned prompt prefix of every
 running request is offered to the cache (:meth:`KVCacheManager._share_prefix`),
 so a burst of requests with a common system prompt computes it once rather
 than once per request admitted before the first one finishes.
+
+The scheduler owns the manager and its page table, which lives on the host only.
+Each step the scheduler hands the engine the table entries written since the
+last step (:meth:`KVCacheManager.take_new_entries`); the engine mirrors them into
+its device table. Nothing flows back.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class _RowState:
     reserved_pages: int = 0  # pages this request may still take from the free list
     shared_len: int = 0  # row slots [0, shared_len) belong to the cache, locked by req.cache_handle
     offered_len: int = 0  # prompt tokens last offered to the cache while running
+    taken_len: int = 0  # row slots [0, taken_len) were handed out by take_new_entries
 
 
 class KVCacheManager:
@@ -55,7 +61,6 @@ class KVCacheManager:
         max_reqs: int,
         max_seq_len: int,
         cache: BasePrefixCache,
-        device: torch.device,
     ):
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
@@ -64,11 +69,7 @@ class KVCacheManager:
         self.max_reqs = max_reqs
         self.max_seq_len = _cdiv(max_seq_len, page_size) * page_size
         self.cache = cache
-        self.device = device
-        # The device table feeds attention backends; the CPU mirror serves bookkeeping
-        # without reading back from the device.
-        self.cpu_table = torch.zeros((max_reqs, self.max_seq_len), dtype=torch.int32)
-        self.table = self.cpu_table if device.type == "cpu" else self.cpu_table.to(device)
+        self.table = torch.zeros((max_reqs, self.max_seq_len), dtype=torch.int32)  # row -> token slots
         self._free_rows = list(range(max_reqs - 1, -1, -1))
         self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
         self._rows: dict[int, _RowState] = {}
@@ -129,7 +130,7 @@ class KVCacheManager:
             return False
         row = self._free_rows.pop()
         if match.length:
-            self._write_row(row, 0, match.slots)
+            self.table[row, : match.length] = match.slots.to(torch.int32)
         self._rows[row] = _RowState(
             req, alloc_len=match.length, reserved_pages=need, shared_len=match.length, offered_len=match.length
         )
@@ -159,7 +160,7 @@ class KVCacheManager:
         tokens = req.input_ids[:end]
         if self.cache.match_prefix(tokens).length != state.shared_len:
             return
-        kept_from = self.cache.insert(tokens, self.cpu_table[row, :end].to(torch.int64))
+        kept_from = self.cache.insert(tokens, self.table[row, :end].to(torch.int64))
         if kept_from >= end:
             return  # the cache keeps nothing (e.g. "naive"): the request keeps owning its pages
         match = self.cache.match_prefix(tokens)
@@ -173,14 +174,8 @@ class KVCacheManager:
         req.cache_handle = match.handle
         state.shared_len = end
 
-    def _write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
-        end = start + slots.numel()
-        self.cpu_table[row, start:end] = slots.to(torch.int32)
-        if self.table is not self.cpu_table:
-            self.table[row, start:end] = slots.to(self.device, torch.int32)
-
-    def allocate(self, req: Req, upto: int) -> torch.Tensor:
-        """Make sure ``req`` has slots for positions ``[0, upto)``; return slots ``[cached_len, upto)``."""
+    def allocate(self, req: Req, upto: int) -> None:
+        """Make sure ``req``'s table row has slots for positions ``[0, upto)``."""
         state = self._rows[req.table_idx]
         if upto > state.alloc_len:
             new_pages = self.pages_for(upto) - state.alloc_len // self.page_size
@@ -190,11 +185,24 @@ class KVCacheManager:
             offsets = torch.arange(self.page_size, dtype=torch.int32)
             slots = (pages.view(-1, 1) * self.page_size + offsets).view(-1)
             end = state.alloc_len + slots.numel()
-            self.cpu_table[req.table_idx, state.alloc_len : end] = slots
-            if self.table is not self.cpu_table:
-                self.table[req.table_idx, state.alloc_len : end] = slots.to(self.device, non_blocking=True)
+            self.table[req.table_idx, state.alloc_len : end] = slots
             state.alloc_len = end
-        return self.cpu_table[req.table_idx, req.cached_len : upto].to(torch.int64)
+
+    def take_new_entries(self, reqs: Sequence[Req]) -> torch.Tensor | None:
+        """The table entries of ``reqs`` not handed out before, as int64 ``[3, n]`` rows (row, column,
+        slot), or None if there are none: what a copy of the table elsewhere lacks."""
+        spans = []
+        for req in reqs:
+            state = self._rows[req.table_idx]
+            if state.alloc_len > state.taken_len:
+                spans.append((req.table_idx, state.taken_len, state.alloc_len))
+                state.taken_len = state.alloc_len
+        if not spans:
+            return None
+        rows = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans])
+        cols = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans])
+        slots = torch.cat([self.table[r, s:e] for r, s, e in spans]).to(torch.int64)
+        return torch.stack([rows, cols, slots])
 
     def _take_pages(self, n: int) -> torch.Tensor:
         if n > len(self._free_pages):
@@ -220,7 +228,7 @@ class KVCacheManager:
             return
         row = req.table_idx
         state = self._rows.pop(row)
-        slots = self.cpu_table[row, : state.alloc_len].to(torch.int64)
+        slots = self.table[row, : state.alloc_len].to(torch.int64)
         shared = state.shared_len
         aligned = (req.cached_len // self.page_size) * self.page_size
         kept_from = aligned
@@ -258,7 +266,7 @@ class KVCacheManager:
             if req.table_idx < 0:
                 continue
             state = self._rows[req.table_idx]
-            pages = self.cpu_table[req.table_idx, state.shared_len : state.alloc_len : self.page_size] // self.page_size
+            pages = self.table[req.table_idx, state.shared_len : state.alloc_len : self.page_size] // self.page_size
             claim([int(p) for p in pages.tolist()], f"request {req.rid}")
         self.cache.check_integrity()
         assert len(owner) == self.usable_pages, (

@@ -6,12 +6,16 @@ budget), otherwise a decode batch of every running request. Requests are
 admitted first come, first served while a table row and enough KV pages
 (prompt plus ``max_new_tokens``, see :mod:`minisgl.kvcache.manager`) are free.
 
-Overlap scheduling (``EngineConfig.overlap_schedule``; ``MINISGL_DISABLE_OVERLAP=1``
-turns it off): :meth:`Scheduler.step` schedules and launches batch N+1 before
-it reads the tokens of batch N, so the host's scheduling and metadata work
-runs while the device computes. A decode step feeds each request the token
-the device sampled last (see :meth:`minisgl.engine.Engine.prepare_decode`), so
-batch N+1 does not need N's tokens on the host. The price: a request that
+The scheduler owns the :class:`~minisgl.kvcache.KVCacheManager` (built here from the
+engine's pool size and prefix-cache choice): each step allocates the batch's slots,
+takes the page-table entries the engine has not seen yet and hands them, with the
+batch, to :meth:`~minisgl.engine.Engine.prepare` and :meth:`~minisgl.engine.Engine.launch`.
+
+Overlap scheduling (``EngineConfig.overlap_schedule``): :meth:`Scheduler.step`
+schedules and launches batch N+1 before it reads the tokens of batch N, so the
+host's scheduling and metadata work runs while the device computes. A decode
+step feeds each request the token the device sampled last (kept on the device
+by the engine), so batch N+1 does not need N's tokens on the host. The price: a request that
 stops on EOS or a stop condition in N may compute one more token in N+1,
 which is discarded. Requests whose sampling needs their full output history
 on the host (penalties, logprobs) switch the scheduler to lock-step while
@@ -21,13 +25,13 @@ they run.
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError
-from ..engine import Engine, PendingStep
+from ..engine import Engine, PendingStep, StepInputs
+from ..kvcache import KVCacheManager
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -47,8 +51,10 @@ class Scheduler:
 
     def __init__(self, engine: Engine, *, eos_token_ids: Sequence[int] = (), detokenize: Detokenize | None = None):
         self.engine = engine
-        self.kv = engine.kv
-        self.config = engine.config
+        self.config = cfg = engine.config
+        cache = engine.prefix_cache_spec.build(page_size=cfg.page_size, device=engine.device)
+        rows, cols = engine.page_table.shape
+        self.kv = KVCacheManager(engine.kv_pool.layout.num_pages, cfg.page_size, rows, cols, cache)
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.waiting: deque[Req] = deque()
@@ -57,8 +63,7 @@ class Scheduler:
         self._rids = itertools.count()
         self.vocab_size = int(engine.hf_config.vocab_size)
         self.stats = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
-        disabled = os.environ.get("MINISGL_DISABLE_OVERLAP", "") not in ("", "0", "false", "False")
-        self.overlap = self.config.overlap_schedule and not disabled
+        self.overlap = cfg.overlap_schedule
         self._inflight: tuple[Batch, PendingStep] | None = None
         self._lockstep_reqs = 0  # live requests whose sampling reads host-side history
 
@@ -156,8 +161,7 @@ class Scheduler:
         return self._schedule_prefill() or self._schedule_decode()
 
     def _launch(self, batch: Batch) -> PendingStep:
-        self._prepare(batch)
-        pending = self.engine.launch(batch)
+        pending = self.engine.launch(batch, self._prepare(batch))
         # The KV of these positions is (or, on the device queue, will be) written.
         for req in batch.reqs:
             req.cached_len = req.device_len
@@ -231,20 +235,13 @@ class Scheduler:
             r.device_len = r.cached_len + 1
         return Batch(reqs, "decode", sample_mask=[True] * len(reqs))
 
-    def _prepare(self, batch: Batch) -> None:
-        """Allocate KV slots for the batch's new tokens and build its device tensors."""
-        kv = self.kv
-        if batch.is_decode:
-            ps = kv.page_size
-            for req in batch.reqs:
-                # A request's slots end on a page boundary: only one whose last page is full needs more.
-                if req.cached_len % ps == 0:
-                    kv.allocate(req, req.device_len)
-            self.engine.prepare_decode(batch)
-            return
-        locs = [kv.allocate(req, req.device_len) for req in batch.reqs]
-        self.engine.prepare_prefill(batch, locs)
-        self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs)
+    def _prepare(self, batch: Batch) -> StepInputs:
+        """Allocate KV slots for the batch's new tokens; the engine's inputs for it."""
+        for req in batch.reqs:
+            self.kv.allocate(req, req.device_len)
+        if batch.is_prefill:
+            self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs)
+        return self.engine.prepare(batch, self.kv.take_new_entries(batch.reqs))
 
     def _process(self, batch: Batch, tokens: list[int], logprobs: list[TokenLogprob | None]) -> list[TokenEvent]:
         events: list[TokenEvent] = []

@@ -13,9 +13,10 @@ inherited tests::
         dtype = torch.bfloat16
 
 Every test drives real :class:`~minisgl.core.Req` and :class:`~minisgl.core.Batch`
-objects through a real :class:`~minisgl.kvcache.KVCacheManager`, the way the
-scheduler prepares them (``cached_len``/``device_len``, ``out_loc`` from
-``allocate``, the manager's page table), and runs each batch through the backend
+objects through the path production runs: slots allocated in a real
+:class:`~minisgl.kvcache.KVCacheManager` (host page table), its new entries
+mirrored into a device page table and the batch tensors built by the engine's own
+:class:`~minisgl.engine.StepInputs`; it runs each batch through the backend
 under test and through the built-in ``torch`` backend on a second pool. It checks,
 for every layer of every step: output shape and dtype, no NaN/inf, every row close
 to the reference (tolerances per dtype), inputs left alone, new K/V stored in
@@ -41,6 +42,7 @@ import torch
 from ..attention import AttentionContext, BaseAttnBackend
 from ..attention.torch_backend import TorchAttnBackend
 from ..core import Batch, Req, SamplingParams
+from ..engine import StepInputs
 from ..kvcache import BaseKVPool, KVCacheManager, KVLayout, MHAKVPool, NaivePrefixCache
 from ..plugins import PluginRegistry, load_plugins
 from .kv_pool import ComponentRef, build_component, default_tolerance, skip_without_device
@@ -108,7 +110,10 @@ class AttentionHarness:
         self.num_layers = num_layers
         ps = case.page_size
         num_pages = max_reqs * -(-max_len // ps) + 2
-        self.manager = KVCacheManager(num_pages, ps, max_reqs, max_len, NaivePrefixCache(ps, self.device), self.device)
+        self.manager = KVCacheManager(num_pages, ps, max_reqs, max_len, NaivePrefixCache(ps))
+        # The engine's device state: the page-table mirror and the fed-back tokens (all 0 here).
+        self.page_table = torch.zeros(self.manager.table.shape, dtype=torch.int32, device=self.device)
+        self.last_token = torch.zeros(max_reqs, dtype=torch.int64, device=self.device)
         layout = KVLayout(num_layers, num_pages, ps, case.num_kv_heads, case.head_dim, dtype, self.device)
         self.layout = layout
         self.pool = pool_factory(layout)
@@ -119,7 +124,7 @@ class AttentionHarness:
             head_dim=case.head_dim,
             page_size=ps,
             kv_pool=self.pool,
-            page_table=self.manager.table,
+            page_table=self.page_table,
             max_batch_size=max_reqs,
             max_seq_len=self.manager.max_seq_len,
             dtype=dtype,
@@ -158,7 +163,8 @@ class AttentionHarness:
         self.history[rid] = (empty, empty)
         self.live.append(req)
         if cached_prefix:
-            slots = self.manager.allocate(req, cached_prefix).to(self.device)
+            self.manager.allocate(req, cached_prefix)
+            slots = self.manager.table[req.table_idx, :cached_prefix].to(self.device, torch.int64)
             shape = (cached_prefix, self.case.num_kv_heads, self.case.head_dim)
             for layer in range(self.num_layers):
                 k, v = self._randn(*shape), self._randn(*shape)
@@ -176,32 +182,29 @@ class AttentionHarness:
         del self.history[req.rid]
 
     # ------------------------------------------------------------------ step
-    def step(self, plan: Sequence[tuple[Req, int]], phase: str | None = None) -> None:
-        """Run one batch in which each ``req`` computes ``n`` new tokens, and check everything."""
-        reqs = [r for r, _ in plan]
-        locs, positions, owners = [], [], []
+    def prepare(self, plan: Sequence[tuple[Req, int]], phase: str | None = None) -> Batch:
+        """The batch in which each ``req`` computes ``n`` new tokens, prepared as the engine does."""
         for req, n in plan:
             assert n >= 1
             req.device_len = req.cached_len + n
-            locs.append(self.manager.allocate(req, req.device_len))
-            positions += list(range(req.cached_len, req.device_len))
-            owners += [(req.rid, p) for p in range(req.cached_len, req.device_len)]
+            self.manager.allocate(req, req.device_len)
         if phase is None:
             phase = "decode" if all(n == 1 and r.cached_len >= r.prompt_len for r, n in plan) else "prefill"
-        out_loc = torch.cat(locs).to(self.device)
+        reqs = [r for r, _ in plan]
+        batch = Batch(reqs, phase, sample_mask=[r.device_len >= r.prompt_len for r in reqs])
+        inputs = StepInputs.build(batch, self.manager.take_new_entries(reqs), self.device)
+        inputs.apply(batch, self.page_table, self.last_token)
+        return batch
+
+    def step(self, plan: Sequence[tuple[Req, int]], phase: str | None = None) -> None:
+        """Run one batch in which each ``req`` computes ``n`` new tokens, and check everything."""
+        batch = self.prepare(plan, phase)
+        reqs, phase = batch.reqs, batch.phase
+        assert batch.positions is not None and batch.out_loc is not None
+        owners = [(r.rid, p) for r in reqs for p in range(r.cached_len, r.device_len)]
+        out_loc = batch.out_loc.clone()
         tokens = out_loc.numel()
-
-        def make_batch() -> Batch:
-            return Batch(
-                list(reqs),
-                phase,
-                input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
-                positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-                out_loc=out_loc.clone(),
-                sample_mask=[r.device_len >= r.prompt_len for r in reqs],
-            )
-
-        batch, ref_batch = make_batch(), make_batch()
+        ref_batch = replace(batch, reqs=list(reqs), positions=batch.positions.clone(), out_loc=out_loc.clone())
         self.backend.prepare_metadata(batch)
         self.reference.prepare_metadata(ref_batch)
         hq, hkv, d = self.case.num_qo_heads, self.case.num_kv_heads, self.case.head_dim

@@ -305,9 +305,7 @@ class PrefixCacheConformance:
     def test_manager_accounting_is_exact(self, data: st.DataObject) -> None:
         ps = data.draw(st.sampled_from(self.page_sizes), label="page_size")
         num_pages = data.draw(st.integers(4, 24), label="num_pages")
-        kv = KVCacheManager(
-            num_pages, ps, max_reqs=3, max_seq_len=16 * ps, cache=self.make_cache(ps), device=torch.device("cpu")
-        )
+        kv = KVCacheManager(num_pages, ps, max_reqs=3, max_seq_len=16 * ps, cache=self.make_cache(ps))
         contents: dict[int, Prefix] = {}  # slot -> the token prefix whose last token's KV it holds
         live: list[Req] = []
         waiting: list[Req] = []
@@ -333,7 +331,9 @@ class PrefixCacheConformance:
                     upto = min(req.prompt_len, req.cached_len + data.draw(st.integers(1, 3 * ps)))
                 else:
                     upto = req.total_len
-                for slot, pos in zip(kv.allocate(req, upto).tolist(), range(req.cached_len, upto), strict=True):
+                kv.allocate(req, upto)
+                new_slots = kv.table[req.table_idx, req.cached_len : upto].tolist()
+                for slot, pos in zip(new_slots, range(req.cached_len, upto), strict=True):
                     contents[slot] = tuple(req.all_ids[: pos + 1])
                 req.cached_len = upto
                 if upto == req.total_len:  # end of the prompt or a decode step: a token is sampled
@@ -351,7 +351,7 @@ class PrefixCacheConformance:
             kv.check_accounting(live)
             free = {p * ps + o for p in kv.free_page_ids() for o in range(ps)}
             for req in live:  # every slot a request will read holds the KV of exactly its prefix
-                row = kv.cpu_table[req.table_idx, : req.cached_len].tolist()
+                row = kv.table[req.table_idx, : req.cached_len].tolist()
                 assert not free & set(row), f"request {req.rid} reads free slots {sorted(free & set(row))[:4]}"
                 for pos, slot in enumerate(row):
                     assert contents.get(slot) == tuple(req.all_ids[: pos + 1]), (
