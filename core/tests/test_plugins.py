@@ -8,6 +8,7 @@ tested in test_plugins_discovery.py.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import warnings
 from typing import Any
@@ -25,13 +26,28 @@ from minisgl.plugins import (
     PluginWarning,
     PrefixCacheSpec,
     UnknownComponentError,
+    Unsupported,
     check_compatible,
     core_version,
     hookimpl,
     load_plugins,
 )
 
-BUILTIN = PluginSource("builtin", "minisgl.plugins.builtin", "minisgl", "0.1.0")
+BUILTIN = PluginSource("builtin", "minisgl.plugins.builtin", "minisgl", "0.2.0")
+
+
+@pytest.fixture(autouse=True)
+def cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stands in for minisgl.attention.cpu_backend, whose support check the built-in 'cpu' names lazily."""
+    module = types.ModuleType("minisgl.attention.cpu_backend")
+
+    def supported(device: str) -> bool:
+        if device != "cpu":
+            raise Unsupported(f"the C kernels run on the CPU, not on {device}")
+        return True
+
+    module.supported = supported  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "minisgl.attention.cpu_backend", module)
 
 
 def plugin(name: str, **hooks: Any) -> types.ModuleType:
@@ -62,7 +78,7 @@ def attn(name: str, **kw: Any) -> AttentionBackendSpec:
 # ------------------------------------------------------------------ built-ins
 def test_builtin_components() -> None:
     reg = load()
-    assert reg.names("attention") == ["torch"]
+    assert reg.names("attention") == ["cpu", "torch"]
     assert reg.names("kv_pool") == ["mha"]
     assert reg.names("prefix_cache") == ["naive"]
     assert reg.names("moe") == ["torch"]
@@ -142,7 +158,7 @@ def test_aliases_resolve_to_the_same_spec() -> None:
     reg = load(source("flash", minisgl_attention_backends=[spec]))
     assert reg.get("attention", "fl") is spec and reg.get("attention", "fast") is spec
     assert reg.has("attention", "fast") and not reg.has("kv_pool", "fast")
-    assert reg.names("attention") == ["flash", "torch"]
+    assert reg.names("attention") == ["cpu", "flash", "torch"]
 
 
 def test_auto_picks_the_highest_priority_supported_spec() -> None:
@@ -152,11 +168,11 @@ def test_auto_picks_the_highest_priority_supported_spec() -> None:
     assert reg.pick("attention", "auto", "cuda").name == "gpu"
     assert reg.pick("attention", "auto", "cuda:1").name == "gpu"  # the device index does not matter
     assert reg.pick("attention", "auto", "cpu").name == "mid"
-    assert reg.supported("attention", "cpu") == ["mid", "torch"]
+    assert reg.supported("attention", "cpu") == ["cpu", "mid", "torch"]
     with pytest.raises(
         UnknownComponentError,
         match=r"^attention backend 'gpu' does not support device 'cpu'; "
-        r"attention backends that do: mid, torch$",
+        r"attention backends that do: cpu, mid, torch$",
     ):
         reg.pick("attention", "gpu", "cpu")
 
@@ -166,7 +182,7 @@ def test_broken_support_check_means_unsupported() -> None:
         raise RuntimeError("driver missing")
 
     reg = load(source("k", minisgl_attention_backends=[attn("odd", priority=99, is_supported=check)]))
-    assert reg.pick("attention", "auto", "cpu").name == "torch"
+    assert reg.pick("attention", "auto", "cpu").name == "cpu"
 
 
 def test_auto_with_nothing_supported() -> None:
@@ -229,7 +245,7 @@ def test_override_wins_with_a_warning(order: str) -> None:
     messages = [str(w.message) for w in record]
     assert (
         "attention backend 'torch' from plugin 'patch' (my-patch 1.0) overrides the one from plugin 'builtin' "
-        "(minisgl 0.1.0)" in messages
+        "(minisgl 0.2.0)" in messages
     )
     if order == "override-first":
         assert (
@@ -238,7 +254,7 @@ def test_override_wins_with_a_warning(order: str) -> None:
         )
     assert reg.get("attention", "torch") is mine
     builtin = next(p for p in reg.plugins if p.name == "builtin")
-    assert "attention" not in builtin.provides and builtin.overridden == {"attention": ["torch"]}
+    assert builtin.provides["attention"] == ["cpu"] and builtin.overridden == {"attention": ["torch"]}
     if order == "override-first":
         zzz = next(p for p in reg.plugins if p.name == "zzz")
         assert zzz.overridden == {"attention": ["torch"]} and zzz.provides == {}
@@ -415,35 +431,95 @@ def test_check_compatible(requires: list[str], compatible: bool) -> None:
     assert (check_compatible(requires, "0.1.0") == "") is compatible
 
 
+def test_plugin_written_for_0_1_is_incompatible_and_says_what_to_do() -> None:
+    old = PluginSource(
+        "oldie",
+        plugin("oldie", minisgl_kv_cache_pools=[KVPoolSpec(name="old-pool", factory=dict)]),
+        "minisgl-plugin-oldie",
+        "0.1.3",
+        requires=("minisgl>=0.1,<0.2",),
+    )
+    with pytest.warns(PluginWarning) as record:
+        reg = load(old)
+    info = next(p for p in reg.plugins if p.name == "oldie")
+    assert info.status == "incompatible" and not reg.has("kv_pool", "old-pool")
+    assert info.error == (
+        f"requires minisgl<0.2,>=0.1, but minisgl {core_version()} is installed: install a release of "
+        f"minisgl-plugin-oldie made for minisgl {core_version()}, or disable it with MINISGL_DISABLE_PLUGINS=oldie"
+    )
+    assert [str(w.message) for w in record] == [
+        f"plugin 'oldie' (minisgl-plugin-oldie 0.1.3) is incompatible: {info.error}; the plugin is skipped "
+        "(set MINISGL_STRICT_PLUGINS=1 to make this fatal)"
+    ]
+
+
+# ------------------------------------------------ auto: pluggy's call order
+def test_auto_follows_pluggy_call_order() -> None:
+    """tryfirst > plain > trylast (the built-ins); within one plugin, its list order; priority beats both."""
+
+    class First:
+        @hookimpl(tryfirst=True)
+        def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
+            return [attn("fast")]
+
+    class Plain:
+        @hookimpl
+        def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
+            return [attn("good"), attn("good-old")]
+
+        @hookimpl
+        def minisgl_prefix_caches(self) -> list[PrefixCacheSpec]:
+            return [PrefixCacheSpec(name="tree", factory=dict)]
+
+    plain = PluginSource("plain", Plain(), "plain-dist", "1.0")
+    reg = load(PluginSource("zfirst", First(), "first-dist", "1.0"), plain)
+    assert [s.name for s in reg.ranked("attention", "cpu")] == ["fast", "good", "good-old", "cpu", "torch"]
+    assert [s.name for s in reg.ranked("attention", "cuda")] == ["fast", "good", "good-old", "torch"]
+    assert reg.pick("prefix_cache", "auto", "cpu").name == "tree"  # any plugin outranks the built-in 'naive'
+    reg = load(plain)
+    assert reg.pick("attention", "auto", "cuda").name == "good"
+    late = source("late", minisgl_attention_backends=[attn("late", priority=1)])
+    assert load(PluginSource("zfirst", First(), "first-dist", "1.0"), late).pick("attention", "auto", "cpu").name == (
+        "late"
+    )
+
+
+def test_builtin_cpu_backend_ranks_above_torch_on_cpu_only() -> None:
+    reg = load()
+    assert [s.name for s in reg.ranked("attention", "cpu")] == ["cpu", "torch"]
+    assert [s.name for s in reg.ranked("attention", "cuda:0")] == ["torch"]
+    cpu = reg.get("attention", "cpu")
+    assert cpu.factory == "minisgl.attention.cpu_backend:CPUAttnBackend"
+    assert cpu.unsupported_reason("cuda") == "the C kernels run on the CPU, not on cuda"
+    assert cpu.description == "native C kernels over the paged KV cache (CPU, float32)"
+
+
 # ----------------------------------------------------- unknown components
-def test_unknown_known_provider_says_what_to_install() -> None:
+def test_unknown_name_lists_what_is_installed_and_where_to_look() -> None:
     reg = load()
     with pytest.raises(UnknownComponentError) as info:
         reg.get("attention", "flashinfer")
     assert str(info.value) == (
-        "unknown attention backend 'flashinfer'; installed: torch (minisgl). "
-        "'flashinfer' is provided by minisgl-plugin-flashinfer: pip install minisgl-plugin-flashinfer"
+        "unknown attention backend 'flashinfer'; installed: cpu (minisgl), torch (minisgl). "
+        "`minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."
     )
+    assert "pip install" not in str(info.value)
 
 
 def test_unknown_model_architecture() -> None:
-    with pytest.raises(
-        UnknownComponentError,
-        match=r"^unknown model architecture 'Qwen3MoeForCausalLM'; installed: "
-        r"none. .* pip install minisgl-plugin-qwen3-moe$",
-    ):
+    with pytest.raises(UnknownComponentError, match=r"^unknown model architecture 'Qwen3MoeForCausalLM'; installed: none\. "):
         load().get("model", "Qwen3MoeForCausalLM")
 
 
-def test_unknown_provider_installed_but_disabled() -> None:
+def test_unknown_name_names_disabled_plugins_and_why() -> None:
     radix = source("radix", "minisgl-plugin-radix", minisgl_prefix_caches=[PrefixCacheSpec(name="radix", factory=dict)])
     reg = load(radix, env={"MINISGL_DISABLE_PLUGINS": "radix"})
     with pytest.raises(UnknownComponentError) as info:
         reg.pick("prefix_cache", "radix", "cpu")
-    assert str(info.value) == (
-        "unknown prefix cache 'radix'; installed: naive (minisgl). 'radix' is provided by minisgl-plugin-radix, "
-        "which is installed but disabled; check MINISGL_PLUGINS / MINISGL_DISABLE_PLUGINS"
+    assert "Installed plugins that are not active: radix (disabled: listed in MINISGL_DISABLE_PLUGINS)." in str(
+        info.value
     )
+    assert "Did you mean" not in str(info.value)  # 'naive' is not close to 'radix'
 
 
 def test_unknown_name_suggests_a_close_one_and_inactive_plugins() -> None:
@@ -454,13 +530,18 @@ def test_unknown_name_suggests_a_close_one_and_inactive_plugins() -> None:
     with pytest.raises(UnknownComponentError) as info:
         reg.get("attention", "troch")
     assert str(info.value) == (
-        "unknown attention backend 'troch'; installed: torch (minisgl). Did you mean 'torch'? "
-        "Installed plugins that are not active: broken (failed)"
+        "unknown attention backend 'troch'; installed: cpu (minisgl), torch (minisgl). Did you mean 'torch'? "
+        "Installed plugins that are not active: broken (failed: ModuleNotFoundError: No module named "
+        "'no_such_module_for_minisgl'). `minisgl plugins` lists each plugin and what it provides; "
+        "docs/plugins.md says how to add one."
     )
+    with pytest.raises(UnknownComponentError, match=r"installed: cpu \(minisgl\), torch \(minisgl\)\. Installed"):
+        reg.get("attention", "xqa")  # nothing close: no suggestion
 
 
 def test_engine_facing_api_with_installed_plugins() -> None:
     """The engine calls load_plugins(config.plugins): built-ins are always there, installed or not."""
     reg = load_plugins(environ={"MINISGL_PLUGINS": ""})
     assert reg.active_plugin_names() == ["builtin"]
-    assert reg.pick("attention", "auto", "cpu").name == "torch"
+    assert reg.pick("attention", "auto", "cpu").name == "cpu"
+    assert reg.pick("prefix_cache", "auto", "cpu").name == "naive"

@@ -1,63 +1,45 @@
-"""The core's own components, registered through the same hooks as any plugin.
+"""The core's own components: the entry point ``builtin`` of the ``minisgl`` group, registered like any plugin.
 
-This is the entry point ``builtin`` of the ``minisgl`` group (see core/pyproject.toml).
-Like every entry module it names its factories lazily, so loading it imports no torch.
+Its hooks are ``trylast``: under ``auto`` every other plugin's components rank above the built-ins.
+Factories are lazy strings, so loading this module imports no torch.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from .hookspecs import hookimpl
 from .specs import AttentionBackendSpec, KVPoolSpec, MoEBackendSpec, PrefixCacheSpec
 
 
-@hookimpl
-def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
-    """``torch``: the reference every other backend is tested against."""
-    return [
+@hookimpl(trylast=True)
+def minisgl_attention_backends() -> list[AttentionBackendSpec]:
+    return [  # best first: on a CPU, "auto" takes cpu, then torch
+        AttentionBackendSpec(
+            name="cpu",
+            factory="minisgl.attention.cpu_backend:CPUAttnBackend",
+            is_supported="minisgl.attention.cpu_backend:supported",
+            description="native C kernels over the paged KV cache (CPU, float32)",
+        ),
         AttentionBackendSpec(
             name="torch",
             factory="minisgl.attention.torch_backend:TorchAttnBackend",
-            priority=0,
             description="reference attention in plain PyTorch over the paged KV cache (CPU and CUDA)",
-        )
+        ),
     ]
 
 
-@hookimpl
-def minisgl_kv_cache_pools() -> Iterable[KVPoolSpec]:
-    """``mha``: the default paged pool."""
-    return [
-        KVPoolSpec(
-            name="mha",
-            factory="minisgl.kvcache.pool:MHAKVPool",
-            description="paged K/V buffers, one per layer, [pages, page_size, kv_heads, head_dim]",
-        )
-    ]
+@hookimpl(trylast=True)
+def minisgl_kv_cache_pools() -> list[KVPoolSpec]:
+    desc = "paged K/V buffers, one per layer, [pages, page_size, kv_heads, head_dim]"
+    return [KVPoolSpec(name="mha", factory="minisgl.kvcache.pool:MHAKVPool", description=desc)]
 
 
-@hookimpl
-def minisgl_prefix_caches() -> Iterable[PrefixCacheSpec]:
-    """``naive``: the cache that keeps nothing (any real prefix cache outranks it under ``auto``)."""
-    return [
-        PrefixCacheSpec(
-            name="naive",
-            factory="minisgl.kvcache.naive:NaivePrefixCache",
-            priority=0,
-            description="no prefix reuse: every request computes its whole prompt",
-        )
-    ]
+@hookimpl(trylast=True)
+def minisgl_prefix_caches() -> list[PrefixCacheSpec]:
+    desc = "no prefix reuse: every request computes its whole prompt"
+    return [PrefixCacheSpec(name="naive", factory="minisgl.kvcache.naive:NaivePrefixCache", description=desc)]
 
 
-@hookimpl
-def minisgl_moe_backends() -> Iterable[MoEBackendSpec]:
-    """``torch``: the reference mixture-of-experts computation."""
-    return [
-        MoEBackendSpec(
-            name="torch",
-            factory="minisgl.moe.torch_backend:TorchMoEBackend",
-            priority=0,
-            description="reference mixture-of-experts: sorted tokens, one matmul pair per expert",
-        )
-    ]
+@hookimpl(trylast=True)
+def minisgl_moe_backends() -> list[MoEBackendSpec]:
+    desc = "reference mixture-of-experts: sorted tokens, one matmul pair per expert"
+    return [MoEBackendSpec(name="torch", factory="minisgl.moe.torch_backend:TorchMoEBackend", description=desc)]

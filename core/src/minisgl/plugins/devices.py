@@ -1,9 +1,8 @@
-"""Which CUDA GPUs this process may use, and their generation, without creating a CUDA context.
+"""The compute capability of the CUDA GPUs this process may use, without creating a CUDA context.
 
-Support checks (``is_supported``) run in ``minisgl plugins`` and in the server's
-preflight, before any worker loads torch: they ask NVML, the driver's management
-library, through ctypes. Where torch has already set CUDA up in this process its
-answer is exact and is used instead; without NVML torch answers too.
+Support checks run in ``minisgl plugins`` and the server's preflight, before any worker loads torch,
+so they ask NVML (the driver's management library) through ctypes; where torch has already set CUDA
+up in this process, or NVML cannot answer, torch answers.
 """
 
 from __future__ import annotations
@@ -16,19 +15,13 @@ Capability = tuple[int, int]
 
 
 def only_visible(caps: list[Capability], visible: str | None) -> list[Capability]:
-    """The entries of ``caps`` (NVML order) that ``CUDA_VISIBLE_DEVICES`` leaves visible.
-
-    Index lists are applied up to the first invalid index, as CUDA does. UUIDs and MIG
-    names are not resolved: every device is kept then (checks require support of all).
-    """
-    if visible is None:
-        return caps
-    items = [s.strip() for s in visible.split(",") if s.strip()]
-    if not all(s.lstrip("-").isdigit() for s in items):
+    """The entries of ``caps`` (NVML order) that ``CUDA_VISIBLE_DEVICES`` leaves, up to the first invalid
+    index as CUDA does; with UUIDs or MIG names, all of them (checks require support of every GPU)."""
+    items = [s.strip() for s in (visible or "").split(",") if s.strip()]
+    if visible is None or not all(s.lstrip("-").isdigit() for s in items):
         return caps
     picked = []
-    for s in items:
-        i = int(s)
+    for i in map(int, items):
         if not 0 <= i < len(caps):
             break
         picked.append(caps[i])
@@ -44,10 +37,9 @@ def nvml_capabilities() -> list[Capability] | None:
     if nvml.nvmlInit_v2() != 0:
         return None
     try:
-        count = ctypes.c_uint()
+        count, caps = ctypes.c_uint(), []
         if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
             return None
-        caps = []
         for i in range(count.value):
             handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
             if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(handle)) != 0:
@@ -71,8 +63,4 @@ def cuda_capabilities() -> list[Capability]:
 
     if not torch.cuda.is_available():
         return []
-    caps = []
-    for i in range(torch.cuda.device_count()):
-        major, minor = torch.cuda.get_device_capability(i)
-        caps.append((int(major), int(minor)))
-    return caps
+    return [tuple(map(int, torch.cuda.get_device_capability(i))) for i in range(torch.cuda.device_count())]  # type: ignore[misc]

@@ -1,42 +1,19 @@
-"""Hook specifications: the plugin author's reference.
+"""The hooks a plugin implements: each takes no arguments and returns a list of specs of its kind.
 
-Every hook takes no arguments and returns an iterable of spec dataclasses
-(see :mod:`minisgl.plugins.specs`). Hooks are called once, at start-up, and
-their results are stored in plain registries; nothing here runs per step.
-
-A plugin is a module registered under the ``minisgl`` entry-point group that
-defines any subset of these functions, each decorated with ``@hookimpl``::
-
-    from minisgl.plugins import hookimpl, AttentionBackendSpec
-
-    @hookimpl
-    def minisgl_attention_backends():
-        return [AttentionBackendSpec(name="mykernel", factory="my_pkg.backend:MyBackend")]
-
-The entry module imports only ``minisgl.plugins``: kernel libraries are imported
-by the factory (the lazy ``"module:attribute"`` string), when a component is built.
-docs/plugins.md is the full guide.
+Decorate them with ``@hookimpl`` in the plugin's entry module; docs/plugins.md is the guide.
+pluggy's call order is the order ``auto`` prefers: ``@hookimpl(tryfirst=True)`` ranks a plugin's
+components above those of plain plugins, ``@hookimpl(trylast=True)`` below them (the built-ins are
+``trylast``); within one plugin, the order of its list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import pluggy
 
-from .specs import (
-    AttentionBackendSpec,
-    Kind,
-    KVPoolSpec,
-    ModelSpec,
-    MoEBackendSpec,
-    PrefixCacheSpec,
-)
+from .specs import AttentionBackendSpec, Kind, KVPoolSpec, ModelSpec, MoEBackendSpec, PrefixCacheSpec
 
-PROJECT = "minisgl"
-hookspec = pluggy.HookspecMarker(PROJECT)
-#: Decorate each hook function of a plugin's entry module with this.
-hookimpl = pluggy.HookimplMarker(PROJECT)
+hookspec = pluggy.HookspecMarker("minisgl")
+hookimpl = pluggy.HookimplMarker("minisgl")
 
 #: The hook that declares each component kind.
 HOOKS: dict[Kind, str] = {
@@ -49,50 +26,30 @@ HOOKS: dict[Kind, str] = {
 
 
 @hookspec
-def minisgl_models() -> Iterable[ModelSpec]:
-    """Model architectures, keyed by the Hugging Face ``architectures`` name.
-
-    The factory is called with a :class:`minisgl.models.ModelContext` and returns
-    a :class:`minisgl.models.CausalLM`.
-    """
+def minisgl_models() -> list[ModelSpec]:
+    """Model architectures, named as in a checkpoint's ``config.json`` ``architectures``."""
     raise NotImplementedError
 
 
 @hookspec
-def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
-    """Attention backends (``--attn NAME``).
-
-    The factory is called with a :class:`minisgl.attention.AttentionContext` and
-    returns a :class:`minisgl.attention.BaseAttnBackend`.
-    """
+def minisgl_attention_backends() -> list[AttentionBackendSpec]:
+    """Attention backends (``--attn NAME``)."""
     raise NotImplementedError
 
 
 @hookspec
-def minisgl_kv_cache_pools() -> Iterable[KVPoolSpec]:
-    """KV cache pools (``--kv-pool NAME``).
-
-    The factory is called with a :class:`minisgl.kvcache.KVLayout` and returns a
-    :class:`minisgl.kvcache.BaseKVPool`.
-    """
+def minisgl_kv_cache_pools() -> list[KVPoolSpec]:
+    """KV cache pools (``--kv-pool NAME``)."""
     raise NotImplementedError
 
 
 @hookspec
-def minisgl_prefix_caches() -> Iterable[PrefixCacheSpec]:
-    """Prefix caches (``--cache NAME``).
-
-    The factory is called as ``factory(page_size=..., device=...)`` and returns a
-    :class:`minisgl.kvcache.BasePrefixCache`.
-    """
+def minisgl_prefix_caches() -> list[PrefixCacheSpec]:
+    """Prefix caches (``--cache NAME``)."""
     raise NotImplementedError
 
 
 @hookspec
-def minisgl_moe_backends() -> Iterable[MoEBackendSpec]:
-    """Mixture-of-experts backends (``--moe-backend NAME``).
-
-    The factory is called with no arguments and returns a
-    :class:`minisgl.moe.BaseMoEBackend`.
-    """
+def minisgl_moe_backends() -> list[MoEBackendSpec]:
+    """Mixture-of-experts backends (``--moe-backend NAME``)."""
     raise NotImplementedError

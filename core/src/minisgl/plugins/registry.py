@@ -1,59 +1,27 @@
-"""The registries built from the active plugins, and how name clashes are settled.
+"""The registry built once at start-up from the active plugins' specs, and how name clashes are settled.
 
-A :class:`PluginRegistry` is plain data: for each component kind, a dictionary
-from names to specs (with the plugin that provided each). It is built once at
-start-up by :func:`minisgl.plugins.load_plugins`; engines read it, nothing on the
-per-step path touches pluggy.
+It is plain data (per kind, name -> spec, the plugin that provided it, and its rank under ``auto``);
+engines read it, nothing on the per-step path touches pluggy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import PluginWarning, UnknownComponentError
-from .specs import KIND_LABELS, KINDS, ComponentSpec, Kind
+from .specs import KIND_LABELS, KINDS, ComponentSpec, Kind, PluginWarning, UnknownComponentError
 
 Status = Literal["active", "disabled", "failed", "incompatible"]
-
-# Components published by the project's own plugin packages, so that a name that is
-# known but not installed gets an actionable "pip install ..." hint.
-KNOWN_PROVIDERS: dict[Kind, dict[str, str]] = {
-    "model": {
-        "LlamaForCausalLM": "minisgl-plugin-llama",
-        "MistralForCausalLM": "minisgl-plugin-llama",
-        "Qwen2ForCausalLM": "minisgl-plugin-llama",
-        "Qwen3ForCausalLM": "minisgl-plugin-llama",
-        "Qwen3MoeForCausalLM": "minisgl-plugin-qwen3-moe",
-    },
-    "attention": {
-        "flashinfer": "minisgl-plugin-flashinfer",
-        "fi": "minisgl-plugin-flashinfer",
-        "fa": "minisgl-plugin-fa",
-        "flash-attn": "minisgl-plugin-fa",
-        "fa2": "minisgl-plugin-fa",
-        "fa3": "minisgl-plugin-fa",
-        "fa4": "minisgl-plugin-fa",
-        "trtllm": "minisgl-plugin-trtllm",
-        "trtllm-xqa": "minisgl-plugin-trtllm",
-        "xqa": "minisgl-plugin-trtllm",
-    },
-    "kv_pool": {},
-    "prefix_cache": {"radix": "minisgl-plugin-radix"},
-    "moe": {"fused": "minisgl-plugin-qwen3-moe", "triton": "minisgl-plugin-qwen3-moe"},
-}
 
 
 @dataclass
 class PluginInfo:
-    """One entry point of the ``minisgl`` group and what became of it.
-
-    ``provides`` lists, per kind, the names this plugin contributes to the
-    registry; ``overridden`` the names it declared but another plugin's
-    ``override=True`` spec replaced.
-    """
+    """One plugin and what became of it: ``provides`` (per kind, the names it contributes) and
+    ``overridden`` (the names another plugin's ``override=True`` spec replaced); ``error`` says why
+    a plugin is not active."""
 
     name: str
     distribution: str
@@ -66,211 +34,131 @@ class PluginInfo:
 
     @property
     def who(self) -> str:
-        """``plugin 'fa' (minisgl-plugin-fa 0.1.0)``: how messages name this plugin."""
-        if not self.distribution:
-            return f"plugin '{self.name}'"
-        dist = f"{self.distribution} {self.version}".strip()
-        return f"plugin '{self.name}' ({dist})"
+        """``plugin 'fa' (minisgl-plugin-fa 0.2.0)``: how messages name this plugin."""
+        return (
+            f"plugin '{self.name}' ({self.distribution} {self.version})"
+            if self.distribution
+            else f"plugin '{self.name}'"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "module": self.module,
-            "status": self.status,
-            "error": self.error,
-            "provides": {k: list(v) for k, v in self.provides.items()},
-            "overridden": {k: list(v) for k, v in self.overridden.items()},
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
-class Provided:
-    """A spec in a registry and the plugin it came from."""
-
+class Entry:
     spec: ComponentSpec
     plugin: PluginInfo
+    rank: tuple[int, int]  # (position of the plugin in pluggy's call order, position in its list)
 
 
 class PluginRegistry:
-    """Registries of every component kind, resolved once from the active plugins.
+    """Every component kind's specs. ``plugins`` lists every plugin found (active or not);
+    ``conflicts`` the clashes tolerated when loaded with ``raise_conflicts=False`` (for listings)."""
 
-    ``plugins`` lists every plugin that was found (active or not), in load order;
-    ``conflicts`` the clash messages that were tolerated (only when loaded with
-    ``raise_conflicts=False``, as ``minisgl plugins`` does to show them).
-    """
+    def __init__(self, plugins: list[PluginInfo] | None = None) -> None:
+        self.plugins = plugins if plugins is not None else []
+        self.conflicts: list[str] = []
+        self._table: dict[Kind, dict[str, Entry]] = {k: {} for k in KINDS}
 
-    def __init__(
-        self,
-        plugins: list[PluginInfo],
-        components: dict[Kind, dict[str, Provided]],
-        conflicts: list[str] | None = None,
-    ):
-        self.plugins = plugins
-        self.conflicts = list(conflicts or [])
-        self._components: dict[Kind, dict[str, Provided]] = {k: dict(components.get(k, {})) for k in KINDS}
-        self._aliases: dict[Kind, dict[str, str]] = {k: {} for k in KINDS}
-        for kind, entries in self._components.items():
-            for name, provided in entries.items():
-                for alias in provided.spec.aliases:
-                    self._aliases[kind][alias] = name
+    def add(self, spec: ComponentSpec, plugin: PluginInfo, rank: tuple[int, int] = (0, 0)) -> None:
+        """Register ``spec``; a clash with another spec's name or alias is recorded in ``conflicts``,
+        unless exactly one of the two sets ``override=True``: that one wins, with a warning."""
+        kind, table, names = spec.kind, self._table[spec.kind], {spec.name, *spec.aliases}
+        for old in [e for e in table.values() if names & {e.spec.name, *e.spec.aliases}]:
+            what = f"{KIND_LABELS[kind]} '{sorted(names & {old.spec.name, *old.spec.aliases})[0]}'"
+            if old.plugin is plugin:
+                self.conflicts.append(f"{plugin.who} declares {what} twice; give each spec a distinct name and aliases")
+                return
+            if spec.override == old.spec.override:
+                both = "both set override=True" if spec.override else "neither sets override=True"
+                self.conflicts.append(
+                    f"{what} is provided by both {old.plugin.who} and {plugin.who} ({both}); uninstall one, "
+                    f"disable one with MINISGL_DISABLE_PLUGINS={plugin.name}, or set override=True on exactly one "
+                    "of the two specs"
+                )
+                return
+            winner, loser, lost = (
+                (plugin, old.plugin, old.spec.name) if spec.override else (old.plugin, plugin, spec.name)
+            )
+            warnings.warn(f"{what} from {winner.who} overrides the one from {loser.who}", PluginWarning, stacklevel=4)
+            loser.overridden.setdefault(kind, []).append(lost)
+            if not spec.override:
+                return
+            del table[lost]
+            loser.provides[kind].remove(lost)
+            if not loser.provides[kind]:
+                del loser.provides[kind]
+        table[spec.name] = Entry(spec, plugin, rank)
+        plugin.provides.setdefault(kind, []).append(spec.name)
 
-    # ------------------------------------------------------------- queries
+    def _entry(self, kind: Kind, name: str) -> Entry:
+        for entry in self._table[kind].values():
+            if name == entry.spec.name or name in entry.spec.aliases:
+                return entry
+        raise UnknownComponentError(self._unknown_message(kind, name))
+
     def active_plugin_names(self) -> list[str]:
-        """Entry names of the active plugins: what a parent hands to its worker processes."""
+        """Entry names of the active plugins: what a parent hands to its worker processes (``only=``)."""
         return [p.name for p in self.plugins if p.status == "active"]
 
     def names(self, kind: Kind) -> list[str]:
-        """Canonical names of every ``kind`` component, sorted."""
-        return sorted(self._components[kind])
+        return sorted(self._table[kind])
 
     def has(self, kind: Kind, name: str) -> bool:
-        return name in self._components[kind] or name in self._aliases[kind]
+        return any(name == e.spec.name or name in e.spec.aliases for e in self._table[kind].values())
 
     def specs(self, kind: Kind) -> list[ComponentSpec]:
         """Every ``kind`` spec, sorted by name."""
-        return [self._components[kind][n].spec for n in self.names(kind)]
+        return [self._table[kind][n].spec for n in self.names(kind)]
 
     def get(self, kind: Kind, name: str) -> ComponentSpec:
-        """The spec registered for ``name`` (or an alias); :class:`UnknownComponentError` otherwise."""
-        canonical = self._aliases[kind].get(name, name)
-        provided = self._components[kind].get(canonical)
-        if provided is not None:
-            return provided.spec
-        raise UnknownComponentError(self._unknown_message(kind, name))
+        """The spec for ``name`` or an alias; :class:`UnknownComponentError` saying what there is otherwise."""
+        return self._entry(kind, name).spec
 
     def provider(self, kind: Kind, name: str) -> PluginInfo:
-        """The plugin that provides ``name`` (or an alias)."""
-        self.get(kind, name)  # the same error as get() for an unknown name
-        return self._components[kind][self._aliases[kind].get(name, name)].plugin
+        return self._entry(kind, name).plugin
 
     def supported(self, kind: Kind, device: str) -> list[str]:
-        """Names of the ``kind`` components that run on ``device``."""
-        return sorted(n for n, p in self._components[kind].items() if p.spec.supports(device))
+        return [s.name for s in self.specs(kind) if s.supports(device)]
 
     def pick(self, kind: Kind, name: str, device: str) -> ComponentSpec:
-        """Resolve ``name`` for ``device``; ``"auto"`` picks the supported spec with the highest priority."""
-        if name != "auto":
-            spec = self.get(kind, name)
-            reason = spec.unsupported_reason(device)
-            if reason is not None:
-                why = f" ({reason})" if reason else ""
-                raise UnknownComponentError(
-                    f"{spec.label} does not support device '{device}'{why}; "
-                    f"{KIND_LABELS[kind]}s that do: {', '.join(self.supported(kind, device)) or 'none'}"
-                )
-            return spec
-        return self.ranked(kind, device)[0]
+        """``name`` if it runs on ``device`` (else why not); ``"auto"``: the best ranked that does."""
+        if name == "auto":
+            return self.ranked(kind, device)[0]
+        spec = self.get(kind, name)
+        reason = spec.unsupported_reason(device)
+        if reason is not None:
+            raise UnknownComponentError(
+                f"{spec.label} does not support device '{device}'{f' ({reason})' if reason else ''}; "
+                f"{KIND_LABELS[kind]}s that do: {', '.join(self.supported(kind, device)) or 'none'}"
+            )
+        return spec
 
     def ranked(self, kind: Kind, device: str) -> list[ComponentSpec]:
-        """The ``kind`` specs that run on ``device``, best first (what ``"auto"`` chooses from)."""
-        candidates = [p.spec for p in self._components[kind].values() if p.spec.supports(device)]
-        if not candidates:
+        """The ``kind`` specs that run on ``device``, best first: by ``priority``, then by pluggy's call
+        order of the plugins' hooks (tryfirst ... trylast), then by each plugin's list order."""
+        entries = sorted(self._table[kind].values(), key=lambda e: (-e.spec.priority, e.rank))
+        found = [e.spec for e in entries if e.spec.supports(device)]
+        if not found:
             raise UnknownComponentError(
-                f"no installed {KIND_LABELS[kind]} supports device '{device}'; installed: {self._installed_text(kind)}"
+                f"no installed {KIND_LABELS[kind]} supports device '{device}'; installed: {self._installed(kind)}"
             )
-        return sorted(candidates, key=lambda s: (s.priority, s.name), reverse=True)
-
-    # ------------------------------------------------------------- messages
-    def _installed_text(self, kind: Kind) -> str:
-        parts = [
-            f"{n} ({self._components[kind][n].plugin.distribution or self._components[kind][n].plugin.name})"
-            for n in self.names(kind)
-        ]
-        return ", ".join(parts) or "none"
-
-    def _unknown_message(self, kind: Kind, name: str) -> str:
-        sentences = [f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed_text(kind)}"]
-        package = KNOWN_PROVIDERS.get(kind, {}).get(name)
-        if package is None:
-            close = difflib.get_close_matches(name, [*self._components[kind], *self._aliases[kind]], n=1)
-            if close:
-                sentences.append(f"Did you mean '{close[0]}'?")
-            inactive = [p for p in self.plugins if p.status != "active"]
-            if inactive:
-                listed = ", ".join(f"{p.name} ({p.status})" for p in inactive)
-                sentences.append(f"Installed plugins that are not active: {listed}")
-        else:
-            installed = [p for p in self.plugins if _normalize(p.distribution) == _normalize(package)]
-            if installed:
-                p = installed[0]
-                text = f"'{name}' is provided by {package}, which is installed but {p.status}"
-                text += f" ({p.error})" if p.error else ""
-                if p.status == "disabled":
-                    text += "; check MINISGL_PLUGINS / MINISGL_DISABLE_PLUGINS"
-                sentences.append(text)
-            else:
-                sentences.append(f"'{name}' is provided by {package}: pip install {package}")
-        msg = sentences[0]
-        for sentence in sentences[1:]:
-            msg += (" " if msg.endswith("?") else ". ") + sentence
-        return msg
-
-
-def _normalize(dist_name: str) -> str:
-    return dist_name.lower().replace("_", "-").replace(".", "-")
-
-
-class RegistryBuilder:
-    """Adds specs kind by kind and settles clashes between plugins.
-
-    The same name (or alias) from two plugins is a conflict, unless exactly one
-    of the two specs sets ``override=True``: that one wins with a warning.
-    Conflicts are collected, not raised, so that all of them can be reported at once.
-    """
-
-    def __init__(self) -> None:
-        self.components: dict[Kind, dict[str, Provided]] = {k: {} for k in KINDS}
-        self.conflicts: list[str] = []
-
-    def _owners(self, kind: Kind, names: tuple[str, ...]) -> list[Provided]:
-        table = self.components[kind]
-        found: list[Provided] = []
-        for provided in table.values():
-            if set(names) & {provided.spec.name, *provided.spec.aliases} and provided not in found:
-                found.append(provided)
         return found
 
-    def add(self, spec: ComponentSpec, info: PluginInfo) -> None:
-        kind = spec.kind
-        names = (spec.name, *spec.aliases)
-        for clash in self._owners(kind, names):
-            shared = sorted(set(names) & {clash.spec.name, *clash.spec.aliases})
-            what = f"{KIND_LABELS[kind]} '{shared[0]}'"
-            if clash.plugin is info:
-                self.conflicts.append(f"{info.who} declares {what} twice; give each spec a distinct name and aliases")
-                return
-            if spec.override and not clash.spec.override:
-                warnings.warn(
-                    f"{what} from {info.who} overrides the one from {clash.plugin.who}", PluginWarning, stacklevel=4
-                )
-                self._remove(clash)
-                continue
-            if clash.spec.override and not spec.override:
-                warnings.warn(
-                    f"{what} from {clash.plugin.who} overrides the one from {info.who}", PluginWarning, stacklevel=4
-                )
-                info.overridden.setdefault(kind, []).append(spec.name)
-                return
-            both = "both set override=True" if spec.override else "neither sets override=True"
-            self.conflicts.append(
-                f"{what} is provided by both {clash.plugin.who} and {info.who} ({both}); "
-                f"uninstall one, disable one with MINISGL_DISABLE_PLUGINS={info.name}, "
-                f"or set override=True on exactly one of the two specs"
-            )
-            return
-        self.components[kind][spec.name] = Provided(spec, info)
-        info.provides.setdefault(kind, []).append(spec.name)
+    def _installed(self, kind: Kind) -> str:
+        table = self._table[kind]
+        return (
+            ", ".join(f"{n} ({table[n].plugin.distribution or table[n].plugin.name})" for n in sorted(table)) or "none"
+        )
 
-    def _remove(self, provided: Provided) -> None:
-        kind, name = provided.spec.kind, provided.spec.name
-        del self.components[kind][name]
-        loser = provided.plugin
-        loser.provides[kind].remove(name)
-        if not loser.provides[kind]:
-            del loser.provides[kind]
-        loser.overridden.setdefault(kind, []).append(name)
-
-    def build(self, plugins: list[PluginInfo]) -> PluginRegistry:
-        return PluginRegistry(plugins, self.components, self.conflicts)
+    def _unknown_message(self, kind: Kind, name: str) -> str:
+        msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed(kind)}."
+        known = [n for s in self.specs(kind) for n in (s.name, *s.aliases)]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        if close:
+            msg += f" Did you mean '{close[0]}'?"
+        inactive = [f"{p.name} ({p.status}: {p.error})" for p in self.plugins if p.status != "active"]
+        if inactive:
+            msg += f" Installed plugins that are not active: {'; '.join(inactive)}."
+        return msg + " `minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."

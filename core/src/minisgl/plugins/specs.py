@@ -1,9 +1,8 @@
-"""Declarative spec dataclasses that plugins return from their hooks.
+"""What plugins return from their hooks: frozen spec dataclasses, and the plugin layer's errors.
 
-A spec says *what* a plugin provides and *how to build it*, without building
-anything. Factories may be given as a callable or as a lazy ``"pkg.mod:attr"``
-string, so that a plugin's entry module never imports heavy kernel libraries:
-the string is resolved only when the component is actually constructed.
+A spec says what a plugin provides and how to build it, without building anything:
+factories (and support checks) may be lazy ``"pkg.mod:attr"`` strings, imported only
+when a component is built, so an entry module never imports kernel libraries.
 """
 
 from __future__ import annotations
@@ -15,17 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import PluginError
-
 logger = logging.getLogger(__name__)
 
-Factory = Callable[..., Any] | str
-DeviceCheck = Callable[[str], bool] | str | None
-
 Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe"]
-
-KINDS: tuple[Kind, ...] = ("model", "attention", "kv_pool", "prefix_cache", "moe")
-
 KIND_LABELS: dict[Kind, str] = {
     "model": "model architecture",
     "attention": "attention backend",
@@ -33,17 +24,33 @@ KIND_LABELS: dict[Kind, str] = {
     "prefix_cache": "prefix cache",
     "moe": "MoE backend",
 }
-
-# "pkg.mod:attr" or "pkg.mod:Class.attr"
-_LAZY_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-# Names appear on command lines ("--attn fa,flashinfer"), so no commas or spaces.
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
-# "auto" asks the registry to choose, so no component may be called that.
-RESERVED_NAMES = frozenset({"auto"})
+KINDS: tuple[Kind, ...] = tuple(KIND_LABELS)
+_LAZY_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")  # "pkg.mod:Cls.attr"
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")  # names appear in "--attn fa,flashinfer"
 
 
-def resolve(ref: Factory) -> Any:
-    """Resolve a lazy ``"pkg.mod:attr"`` reference (or return a callable unchanged)."""
+class PluginError(RuntimeError):
+    """A plugin could not be loaded, two plugins conflict, or a component cannot be built."""
+
+
+class UnknownComponentError(LookupError):
+    """A requested component is not provided by any active plugin (or not for this device)."""
+
+    def __str__(self) -> str:  # LookupError would quote the message like a key
+        return str(self.args[0]) if self.args else ""
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped, overridden or misconfigured; start-up goes on without it."""
+
+
+class Unsupported(Exception):
+    """Raised by an ``is_supported`` check: the component cannot run on that device; the message says
+    why and what to do (``"needs compute capability 10.0 (this GPU is 9.0); use --attn flashinfer"``)."""
+
+
+def resolve(ref: Callable[..., Any] | str) -> Any:
+    """Import a lazy ``"pkg.mod:attr"`` reference (a callable is returned unchanged)."""
     if not isinstance(ref, str):
         return ref
     if not _LAZY_REF.match(ref):
@@ -57,58 +64,30 @@ def resolve(ref: Factory) -> Any:
 
 def _check_ref(owner: str, field_name: str, value: object) -> None:
     expected = "a callable or a 'package.module:attribute' string"
-    if isinstance(value, str):
-        if not _LAZY_REF.match(value):
-            raise ValueError(f"{owner}.{field_name} must be {expected}, got {value!r}")
-    elif not callable(value):
+    if isinstance(value, str) and not _LAZY_REF.match(value):
+        raise ValueError(f"{owner}.{field_name} must be {expected}, got {value!r}")
+    if not isinstance(value, str) and not callable(value):
         raise TypeError(f"{owner}.{field_name} must be {expected}, got {value!r}")
-
-
-class Unsupported(Exception):
-    """Raised by an ``is_supported`` check: the component cannot run on that device, and why.
-
-    The message is shown to users as is (``--attn NAME`` fails with it), so say what
-    is missing and what to do: ``"needs compute capability 10.0 or 10.3 (this GPU is
-    9.0); on Hopper use --attn flashinfer"``.
-    """
 
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    """Fields shared by every spec.
+    """One component. Fields (docs/plugins.md, "Reference: spec fields", says more):
 
-    ``name``
-        Unique within its kind across all active plugins (a clash is a start-up
-        error unless exactly one of the two specs sets ``override=True``).
-    ``factory``
-        A callable, or a lazy ``"package.module:attribute"`` string imported only
-        when the component is built. What it is called with depends on the kind.
-    ``aliases``
-        Other names the component answers to (a tuple of strings).
-    ``priority``
-        ``auto`` picks the supported component with the highest priority (ties by name).
-    ``is_supported``
-        ``None`` (runs everywhere), or a callable / lazy reference taking the
-        device type (``"cpu"`` or ``"cuda"``) and returning a bool. To say *why* a
-        component cannot run (a GPU too old, a missing library), raise
-        :class:`Unsupported` with the reason instead of returning ``False``: naming
-        the component then fails with that reason, and ``minisgl plugins --device``
-        shows it. It may import heavy libraries: it runs only when a component is
-        picked (or listed with ``--device``).
-    ``override``
-        Replace a component of the same name from another plugin (with a warning).
-    ``description``
-        One line shown by ``minisgl plugins``.
+    ``name`` unique in its kind; ``factory`` a callable or lazy ``"pkg.mod:attr"``; ``aliases`` other
+    names; ``priority`` overrides the ``auto`` order set by pluggy's hook order (default 0; rarely
+    needed); ``is_supported`` ``None`` or a check taking the device type that returns a bool or raises
+    :class:`Unsupported`; ``override`` replaces another plugin's component of the same name;
+    ``description`` one line for ``minisgl plugins``.
     """
 
     name: str
-    factory: Factory
+    factory: Callable[..., Any] | str
     aliases: tuple[str, ...] = ()
     priority: int = 0
-    is_supported: DeviceCheck = None
+    is_supported: Callable[[str], bool] | str | None = None
     override: bool = False
     description: str = ""
-
     kind: Kind = field(default="attention", init=False)
 
     def __post_init__(self) -> None:
@@ -120,8 +99,8 @@ class ComponentSpec:
                 raise ValueError(
                     f"{owner} name or alias {n!r} is invalid: use letters, digits and '_ . + -' (no commas or spaces)"
                 )
-            if n in RESERVED_NAMES:
-                raise ValueError(f"{owner} name or alias {n!r} is reserved (it asks minisgl to choose)")
+            if n == "auto":
+                raise ValueError(f"{owner} name or alias 'auto' is reserved (it asks minisgl to choose)")
         if self.name in self.aliases:
             raise ValueError(f"{owner} '{self.name}' lists its own name among its aliases")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -137,13 +116,11 @@ class ComponentSpec:
 
     @property
     def factory_ref(self) -> str:
-        """The factory as text, for listings and messages."""
         if isinstance(self.factory, str):
             return self.factory
-        return f"{getattr(self.factory, '__module__', '?')}:{getattr(self.factory, '__qualname__', repr(self.factory))}"
+        return f"{getattr(self.factory, '__module__', '?')}:{getattr(self.factory, '__qualname__', self.factory)}"
 
     def load_factory(self) -> Callable[..., Any]:
-        """Import the factory (a lazy reference is imported now); :class:`PluginError` if it cannot be."""
         try:
             return resolve(self.factory)  # type: ignore[no-any-return]
         except Exception as exc:
@@ -156,81 +133,53 @@ class ComponentSpec:
         return self.load_factory()(*args, **kwargs)
 
     def supports(self, device: str) -> bool:
-        """Whether this component can run on ``device`` (a device type, ``"cpu"`` or ``"cuda"``)."""
         return self.unsupported_reason(device) is None
 
     def unsupported_reason(self, device: str) -> str | None:
-        """``None`` when this component runs on ``device``; otherwise why not.
-
-        The reason is the message of the :class:`Unsupported` the check raised, or
-        ``""`` when it just returned ``False``.
-        """
+        """``None`` when this runs on ``device`` (``"cuda:1"`` counts as ``"cuda"``); else why not
+        (``""`` when the check just returned False). A check that crashes means unsupported."""
         if self.is_supported is None:
             return None
-        device_type = device.split(":", 1)[0]
         try:
-            ok = resolve(self.is_supported)(device_type)
+            return None if resolve(self.is_supported)(device.split(":", 1)[0]) else ""
         except Unsupported as exc:
             return str(exc)
-        except Exception as exc:  # a broken check means "not supported", never a crash at start-up
-            logger.warning(
-                "is_supported check of %s failed (%s: %s); treating it as unsupported",
-                self.label,
-                type(exc).__name__,
-                exc,
-            )
-            return f"its is_supported check failed ({type(exc).__name__}: {exc})"
-        return None if ok else ""
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            logger.warning("is_supported check of %s failed (%s); treating it as unsupported", self.label, why)
+            return f"its is_supported check failed ({why})"
 
 
 @dataclass(frozen=True)
 class ModelSpec(ComponentSpec):
-    """A model architecture. ``name`` is the Hugging Face architecture string,
-    e.g. ``"LlamaForCausalLM"``; the factory is the model class, called as
-    ``factory(ctx: minisgl.models.ModelContext)`` and returning a ``CausalLM``."""
+    """``name``: the Hugging Face architecture; built as ``factory(ctx: ModelContext)`` -> ``CausalLM``."""
 
     kind: Kind = field(default="model", init=False)
 
 
 @dataclass(frozen=True)
 class AttentionBackendSpec(ComponentSpec):
-    """An attention backend, built as ``factory(ctx: minisgl.attention.AttentionContext)``
-    and returning a ``BaseAttnBackend``. ``--attn auto`` picks the supported backend
-    with the highest ``priority``."""
+    """Built as ``factory(ctx: AttentionContext)`` -> ``BaseAttnBackend`` (``--attn NAME``)."""
 
     kind: Kind = field(default="attention", init=False)
 
 
 @dataclass(frozen=True)
 class KVPoolSpec(ComponentSpec):
-    """A KV cache pool, built as ``factory(layout: minisgl.kvcache.KVLayout)`` and
-    returning a ``BaseKVPool``."""
+    """Built as ``factory(layout: KVLayout)`` -> ``BaseKVPool`` (``--kv-pool NAME``)."""
 
     kind: Kind = field(default="kv_pool", init=False)
 
 
 @dataclass(frozen=True)
 class PrefixCacheSpec(ComponentSpec):
-    """A prefix cache, built as ``factory(page_size=int, device=torch.device)`` and
-    returning a ``BasePrefixCache``. The default cache is the supported one with the
-    highest ``priority``."""
+    """Built as ``factory(page_size=int, device=torch.device)`` -> ``BasePrefixCache`` (``--cache NAME``)."""
 
     kind: Kind = field(default="prefix_cache", init=False)
 
 
 @dataclass(frozen=True)
 class MoEBackendSpec(ComponentSpec):
-    """A mixture-of-experts compute backend, built as ``factory()`` and returning a
-    ``BaseMoEBackend``. ``--moe-backend auto`` picks the supported backend with the
-    highest ``priority``."""
+    """Built as ``factory()`` -> ``BaseMoEBackend`` (``--moe-backend NAME``)."""
 
     kind: Kind = field(default="moe", init=False)
-
-
-ALL_SPEC_TYPES: dict[Kind, type[ComponentSpec]] = {
-    "model": ModelSpec,
-    "attention": AttentionBackendSpec,
-    "kv_pool": KVPoolSpec,
-    "prefix_cache": PrefixCacheSpec,
-    "moe": MoEBackendSpec,
-}
