@@ -507,7 +507,9 @@ def test_unknown_name_lists_what_is_installed_and_where_to_look() -> None:
 
 
 def test_unknown_model_architecture() -> None:
-    with pytest.raises(UnknownComponentError, match=r"^unknown model architecture 'Qwen3MoeForCausalLM'; installed: none\. "):
+    with pytest.raises(
+        UnknownComponentError, match=r"^unknown model architecture 'Qwen3MoeForCausalLM'; installed: none\. "
+    ):
         load().get("model", "Qwen3MoeForCausalLM")
 
 

@@ -12,21 +12,28 @@ import pytest
 from minisgl_plugin_fa import support
 from minisgl_plugin_fa.support import Unsupported, choose_generation, installed_generations
 
-from minisgl.plugins import load_plugins
+from minisgl.plugins import ComponentSpec, load_plugins
 
 HOPPER, BLACKWELL, AMPERE, TURING = (9, 0), (10, 0), (8, 0), (7, 5)
 
 
-def test_backends_are_registered_below_flashinfer_and_above_torch() -> None:
-    reg = load_plugins(only=["builtin", "fa"])
+def test_backends_are_registered_below_flashinfer_and_above_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = load_plugins(only=["builtin", "fa", "flashinfer"])
     fa = reg.get("attention", "fa")
     assert fa.aliases == ("flash-attn",) and reg.get("attention", "flash-attn") is fa
-    assert fa.priority > reg.get("attention", "torch").priority
-    assert fa.priority < 10  # flashinfer's: auto keeps FlashInfer where both are installed
     for gen in (2, 3, 4):
-        spec = reg.get("attention", f"fa{gen}")
-        assert spec.priority < fa.priority
         assert reg.provider("attention", f"fa{gen}").distribution == "minisgl-plugin-fa"
+    # The order 'auto' tries where everything runs: FlashInfer first, then 'fa' (it picks the generation).
+    monkeypatch.setattr(ComponentSpec, "unsupported_reason", lambda self, device: None)
+    assert [s.name for s in reg.ranked("attention", "cuda")] == [
+        "flashinfer",
+        "fa",
+        "fa2",
+        "fa3",
+        "fa4",
+        "cpu",
+        "torch",
+    ]
 
 
 def test_unsupported_on_cpu_with_the_reason() -> None:
@@ -34,7 +41,7 @@ def test_unsupported_on_cpu_with_the_reason() -> None:
     for name in ("fa", "fa2", "fa3", "fa4"):
         reason = reg.get("attention", name).unsupported_reason("cpu")
         assert reason is not None and "NVIDIA GPUs (CUDA), not on cpu; use --attn torch" in reason
-    assert reg.pick("attention", "auto", "cpu").name == "torch"
+    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # the built-ins
 
 
 def test_minisgl_plugins_lists_it_as_unsupported_on_cpu_with_the_reason() -> None:

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
-from minisgl.plugins import load_plugins
+from minisgl.plugins import ComponentSpec, load_plugins
 
 
-def test_backend_is_registered_with_alias_and_priority() -> None:
+def test_backend_is_registered_with_alias_and_ranked_first(monkeypatch: pytest.MonkeyPatch) -> None:
     reg = load_plugins()
     spec = reg.get("attention", "flashinfer")
     assert spec.aliases == ("fi",)
     assert reg.get("attention", "fi") is spec
-    assert spec.priority > reg.get("attention", "torch").priority
     assert reg.provider("attention", "flashinfer").name == "flashinfer"
+    # Its hook is tryfirst: where every backend runs, 'auto' tries it before any other plugin's.
+    monkeypatch.setattr(ComponentSpec, "unsupported_reason", lambda self, device: None)
+    ranked = [s.name for s in reg.ranked("attention", "cuda")]
+    assert ranked[0] == "flashinfer" and ranked[-2:] == ["cpu", "torch"]
 
 
 def test_not_supported_on_cpu_and_auto_falls_back_to_torch() -> None:
     reg = load_plugins()
     assert not reg.get("attention", "flashinfer").supports("cpu")
-    assert reg.pick("attention", "auto", "cpu").name == "torch"
+    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # the built-ins
     assert "flashinfer" not in reg.supported("attention", "cpu")
 
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 from minisgl_plugin_trtllm import support
 
-from minisgl.plugins import UnknownComponentError, load_plugins
+from minisgl.plugins import ComponentSpec, UnknownComponentError, Unsupported, load_plugins
 from minisgl.plugins.listing import render_table, to_json
-from minisgl.plugins.specs import Unsupported
 
 HOPPER, B200, B300, RTX5090, A100 = (9, 0), (10, 0), (10, 3), (12, 0), (8, 0)
 
@@ -31,13 +30,14 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return caps
 
 
-def test_both_backends_are_registered() -> None:
-    reg = load_plugins()
-    gen, xqa = reg.get("attention", "trtllm"), reg.get("attention", "trtllm-xqa")
+def test_both_backends_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = load_plugins(only=["builtin", "flashinfer", "trtllm"])
+    xqa = reg.get("attention", "trtllm-xqa")
     assert reg.get("attention", "xqa") is xqa
     assert reg.provider("attention", "trtllm").distribution == "minisgl-plugin-trtllm"
-    # 'auto' ranks them above the torch reference and below flashinfer (priority 10).
-    assert reg.get("attention", "torch").priority < xqa.priority < gen.priority < 10
+    # 'auto' ranks them below flashinfer and above the built-ins, trtllm-gen before XQA.
+    monkeypatch.setattr(ComponentSpec, "unsupported_reason", lambda self, device: None)
+    assert [s.name for s in reg.ranked("attention", "cuda")] == ["flashinfer", "trtllm", "trtllm-xqa", "cpu", "torch"]
 
 
 def test_entry_and_support_modules_import_neither_torch_nor_flashinfer() -> None:
@@ -133,5 +133,7 @@ def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
     gpus.append(HOPPER)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(PreflightError, match=r"^--attn: attention backend 'trtllm' does not support device 'cuda'"):
-        preflight(ServeSettings(model=str(tmp_path), attn="trtllm", device="cuda"))
-    assert "trtllm" in preflight(ServeSettings(model=str(tmp_path), attn="torch,trtllm-xqa", device="cuda"))
+        preflight(ServeSettings(model=str(tmp_path), attention_backend="trtllm", device="cuda"))
+    assert "trtllm" in preflight(
+        ServeSettings(model=str(tmp_path), attention_backend="torch,trtllm-xqa", device="cuda")
+    )

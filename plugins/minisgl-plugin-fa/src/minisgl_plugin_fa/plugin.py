@@ -15,18 +15,15 @@ from collections.abc import Iterable
 
 from minisgl.plugins import AttentionBackendSpec, hookimpl
 
-# Below flashinfer (10), so --attn auto keeps FlashInfer where both are installed; above torch (0).
-PRIORITY = 5
 
-
+# A plain hook: --attn auto ranks these below flashinfer (tryfirst) and above the built-ins (trylast).
 @hookimpl
 def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
-    specs = [
+    specs = [  # best first: 'auto' prefers the generation-choosing 'fa'
         AttentionBackendSpec(
             name="fa",
             factory="minisgl_plugin_fa.backend:FlashAttnBackend",
             aliases=("flash-attn",),
-            priority=PRIORITY,
             is_supported="minisgl_plugin_fa.support:is_supported",
             description="FlashAttention paged prefill and decode (CUDA graphs for decode), best generation installed",
         )
@@ -36,7 +33,6 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
             AttentionBackendSpec(
                 name=f"fa{gen}",
                 factory=f"minisgl_plugin_fa.backend:fa{gen}_backend",
-                priority=PRIORITY - 1,  # 'auto' prefers the generation-choosing 'fa'
                 is_supported=f"minisgl_plugin_fa.support:fa{gen}_supported",
                 description=f"FlashAttention {gen} paged prefill and decode (CUDA graphs for decode)",
             )

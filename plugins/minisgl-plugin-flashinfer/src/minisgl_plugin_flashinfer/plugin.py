@@ -16,14 +16,13 @@ def is_supported(device: str) -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-@hookimpl
+@hookimpl(tryfirst=True)  # --attn auto prefers it to every other plugin's backend where it runs
 def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="flashinfer",
             factory="minisgl_plugin_flashinfer.backend:FlashInferAttnBackend",
             aliases=("fi",),
-            priority=10,  # above the torch reference, so --attn auto picks it on CUDA
             is_supported=is_supported,
             description="FlashInfer paged prefill and decode (CUDA graphs for decode)",
         )

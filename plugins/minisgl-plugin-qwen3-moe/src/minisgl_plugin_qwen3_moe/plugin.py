@@ -18,13 +18,12 @@ def minisgl_models() -> Iterable[ModelSpec]:
     return [ModelSpec(name="Qwen3MoeForCausalLM", factory="minisgl_plugin_qwen3_moe.qwen3_moe:Qwen3MoeForCausalLM")]
 
 
-@hookimpl
+@hookimpl  # a plain hook ranks above the built-in 'torch' (trylast) under --moe-backend auto
 def minisgl_moe_backends() -> Iterable[MoEBackendSpec]:
     return [
         MoEBackendSpec(
             name="fused",
             factory="minisgl_plugin_qwen3_moe.fused_moe:FusedMoEBackend",
-            priority=10,
             is_supported=fused_supported,
             description="Triton fused MoE: token-to-expert alignment, grouped GEMMs with SiLU-and-multiply (CUDA)",
         )

@@ -7,14 +7,12 @@ from collections.abc import Iterable
 from minisgl.plugins import PrefixCacheSpec, hookimpl
 
 
-@hookimpl
+@hookimpl  # a plain hook ranks above the built-in 'naive' (trylast): installing this makes it the default
 def minisgl_prefix_caches() -> Iterable[PrefixCacheSpec]:
     return [
         PrefixCacheSpec(
             name="radix",
             factory="minisgl_plugin_radix.radix:RadixPrefixCache",
-            # Above the built-in "naive" (0), so installing this plugin makes it the default.
-            priority=10,
             description="radix tree over token ids: shared prompt prefixes reuse their KV, LRU eviction",
         )
     ]

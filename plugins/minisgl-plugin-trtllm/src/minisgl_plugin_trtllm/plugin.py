@@ -18,14 +18,14 @@ from collections.abc import Iterable
 from minisgl.plugins import AttentionBackendSpec, hookimpl
 
 
+# A plain hook: 'auto' ranks these below flashinfer (tryfirst: trtllm-gen has not yet run on Blackwell
+# hardware) and above the built-ins (trylast); trtllm before trtllm-xqa, in list order.
 @hookimpl
 def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="trtllm",
             factory="minisgl_plugin_trtllm.backend:build_trtllm_gen",
-            # Below flashinfer (10): not yet run on Blackwell hardware, so 'auto' prefers flashinfer.
-            priority=5,
             is_supported="minisgl_plugin_trtllm.support:trtllm_gen_supported",
             description="TensorRT-LLM-gen paged prefill and decode via FlashInfer (compute capability 10.0/10.3)",
         ),
@@ -33,7 +33,6 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
             name="trtllm-xqa",
             factory="minisgl_plugin_trtllm.backend:build_xqa",
             aliases=("xqa",),
-            priority=4,
             is_supported="minisgl_plugin_trtllm.support:xqa_supported",
             description="TensorRT-LLM XQA paged decode via FlashInfer (Hopper/Blackwell); prefill via torch "
             "unless paired, e.g. --attn flashinfer,trtllm-xqa",
