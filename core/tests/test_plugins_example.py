@@ -40,7 +40,7 @@ def test_example_declares_what_the_guide_says() -> None:
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     assert project["name"] == "minisgl-plugin-hello"
     assert project["entry-points"]["minisgl"] == {"hello": "minisgl_plugin_hello.plugin"}
-    assert "minisgl>=0.1,<0.2" in project["dependencies"]
+    assert "minisgl>=0.2,<0.3" in project["dependencies"]
 
 
 def test_listed_as_active(installed: dict[str, str]) -> None:
@@ -61,11 +61,7 @@ def test_listed_as_active(installed: dict[str, str]) -> None:
         {"attention": ["hello"]},
     )
     row = next(c for c in data["components"]["attention"] if c["name"] == "hello")
-    assert (row["aliases"], row["priority"], row["factory"]) == (
-        ["hi"],
-        -10,
-        "minisgl_plugin_hello.backend:HelloAttnBackend",
-    )
+    assert (row["aliases"], row["factory"]) == (["hi"], "minisgl_plugin_hello.backend:HelloAttnBackend")
 
 
 def test_example_tests_pass(installed: dict[str, str]) -> None:

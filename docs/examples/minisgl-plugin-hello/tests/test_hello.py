@@ -19,7 +19,7 @@ def test_registered_through_the_entry_point() -> None:
     registry = load_plugins()
     assert registry.get("attention", "hi").name == "hello"
     assert registry.provider("attention", "hello").distribution == "minisgl-plugin-hello"
-    assert registry.pick("attention", "auto", "cpu").name != "hello"  # priority -10: only by name
+    assert [s.name for s in registry.ranked("attention", "cpu")][-1] == "hello"  # trylast: auto tries it last
 
 
 def test_counts_attended_tokens() -> None:

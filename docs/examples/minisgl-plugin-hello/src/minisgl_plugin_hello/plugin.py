@@ -18,16 +18,15 @@ def is_supported(device: str) -> bool:
     return device in ("cpu", "cuda")
 
 
-@hookimpl
+# trylast: "--attn auto" tries this example after every other backend (after the built-ins too,
+# which are trylast and registered first); ask for it by name.
+@hookimpl(trylast=True)
 def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="hello",
             factory="minisgl_plugin_hello.backend:HelloAttnBackend",
             aliases=("hi",),
-            # Below the built-in torch backend (priority 0): "--attn auto" never picks
-            # this example over it; ask for it by name.
-            priority=-10,
             is_supported=is_supported,
             description="the torch reference backend, counting the tokens it attends",
         )
