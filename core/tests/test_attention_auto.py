@@ -38,7 +38,8 @@ def test_auto_falls_back_past_a_backend_that_rejects_the_model(tiny_dir: Path, c
     with caplog.at_level("INFO", logger="minisgl.engine.engine"):
         llm = LLM(str(tiny_dir), registry=reg, attention_backend="auto", page_size=4)
     try:
-        assert [s.name for s in llm.engine.attn_specs] == ["torch"]  # ...cannot run it: torch does
+        # ...cannot run it: the next one does (cpu where the C kernels build, else the torch reference).
+        assert [s.name for s in llm.engine.attn_specs] in (["cpu"], ["torch"])
         assert "picky backend: head_dim" in caplog.text
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         assert len(out[0].token_ids) == 4

@@ -1,4 +1,4 @@
-"""The native CPU kernels (minisgl.kernel.cpu) against PyTorch, and how they are built, found and turned off."""
+"""The native CPU kernels (minisgl.kernel.cpu) against PyTorch, and how they are built and found."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl import LLM, SamplingParams, kernel
-from minisgl.kernel import cpu
+from minisgl import LLM, SamplingParams
+from minisgl.kernel import KernelSet, NativeCPUKernels, cpu, select_kernels
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.testing.models import random_prompts
 
@@ -21,8 +21,6 @@ needs_compiler = pytest.mark.skipif(cpu.find_compiler() is None, reason="no C co
 def kernels() -> cpu.CpuKernels:
     if cpu.find_compiler() is None:
         pytest.skip("no C compiler on this machine")
-    if cpu.disabled():
-        pytest.skip(f"{cpu.DISABLE_ENV} is set")
     k = cpu.load_cpu_kernels()
     assert k is not None, "a C compiler is installed, so the kernels must build"
     return k
@@ -31,9 +29,9 @@ def kernels() -> cpu.CpuKernels:
 @pytest.fixture
 def fresh_loader() -> Iterator[None]:
     """Forget the process's loaded kernels before and after a test that changes how they load."""
-    cpu._load.cache_clear()
+    cpu.load_cpu_kernels.cache_clear()
     yield
-    cpu._load.cache_clear()
+    cpu.load_cpu_kernels.cache_clear()
 
 
 def _column_major(m: int, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -132,8 +130,7 @@ def test_linear_equals_f_linear(kernels, m: int, n: int, k: int, bias: bool) -> 
 
 
 def test_layers_use_the_kernel_gemm_only_for_few_rows(kernels, monkeypatch) -> None:
-    from minisgl.layers import linear as linear_module
-
+    native = NativeCPUKernels(kernels)
     calls: list[int] = []
     real = cpu.CpuKernels.linear
 
@@ -146,7 +143,7 @@ def test_layers_use_the_kernel_gemm_only_for_few_rows(kernels, monkeypatch) -> N
     weight = torch.randn(40, 24, generator=gen)
     for rows in (1, kernels.GEMM_MAX_ROWS, kernels.GEMM_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 24, generator=gen)
-        got = linear_module.linear(x, weight, None, kernels)
+        got = native.linear(x, weight)
         torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
     assert calls == [1, kernels.GEMM_MAX_ROWS]
 
@@ -187,7 +184,7 @@ def test_rope_equals_the_pytorch_path(kernels, qk_norm: bool, head_dim: int, lay
     gen = torch.Generator().manual_seed(head_dim)
     tokens, hq, hkv = 7, 6, 2
     rope = RotaryEmbedding(head_dim, 512, {"rope_theta": 10000.0, "rope_type": "default"})
-    assert rope._cpu is not None
+    assert isinstance(rope.kernels, NativeCPUKernels)
     width = (hq + 2 * hkv) * head_dim
     qkv = torch.randn(tokens, width, generator=gen) if layout == "row" else _column_major(tokens, width, gen)
     q = qkv[:, : hq * head_dim].reshape(tokens, hq, head_dim)
@@ -202,10 +199,7 @@ def test_rope_equals_the_pytorch_path(kernels, qk_norm: bool, head_dim: int, lay
             norm.weight.data.copy_(torch.rand(head_dim, generator=gen) + 0.5)
     got_q, got_k = rope(positions, q, k, norms)
     assert got_q.is_contiguous() and got_k.is_contiguous()
-    rope._cpu = None  # the PyTorch path, the reference
-    if norms is not None:
-        for norm in norms:
-            norm._cpu = None
+    rope.kernels = KernelSet()  # the PyTorch path, the reference
     want_q, want_k = rope(positions, q, k, norms)
     torch.testing.assert_close(got_q, want_q, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got_k, want_k, atol=2e-6, rtol=1e-5)
@@ -266,29 +260,18 @@ def test_without_a_working_compiler_layers_fall_back(monkeypatch, tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="minisgl.kernel.cpu"):
         assert cpu.load_cpu_kernels() is None
     assert "native CPU kernels unavailable, using PyTorch paths" in caplog.text
-    assert kernel.cpu_kernels("cpu", torch.float32) is None
+    assert type(select_kernels("cpu", torch.float32)) is KernelSet
 
 
-def test_disable_switch_and_where_kernels_apply(monkeypatch) -> None:
-    monkeypatch.setenv(cpu.DISABLE_ENV, "1")
-    assert cpu.load_cpu_kernels() is None and kernel.cpu_kernels("cpu", torch.float32) is None
-    monkeypatch.delenv(cpu.DISABLE_ENV)
-    assert kernel.cpu_kernels("cpu", torch.bfloat16) is None
-    assert kernel.cpu_kernels("meta", torch.float32) is None
-
-
-def _greedy(tiny_dir, registry, prompts, **kwargs) -> tuple[list[list[int]], bool]:
+def _greedy(tiny_dir, registry, prompts, **kwargs) -> list[list[int]]:
     with LLM(str(tiny_dir), registry=registry, page_size=4, **kwargs) as llm:
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-        return [o.token_ids for o in out], llm.engine.attn.native is not None
+        return [o.token_ids for o in out]
 
 
 @needs_compiler
-def test_model_with_kernels_equals_model_without(tiny_dir, registry, monkeypatch) -> None:
+def test_model_with_kernels_equals_model_without(tiny_dir, registry) -> None:
     prompts = random_prompts([3, 40, 17, 90], 512, seed=5)
-    with_kernels, native = _greedy(tiny_dir, registry, prompts)
-    assert native, "float32 on CPU uses the native decode attention"
-    monkeypatch.setenv(cpu.DISABLE_ENV, "1")
-    without, native = _greedy(tiny_dir, registry, prompts)
-    assert not native
-    assert with_kernels == without
+    assert _greedy(tiny_dir, registry, prompts) == _greedy(
+        tiny_dir, registry, prompts, kernels="torch", attention_backend="torch"
+    )

@@ -1,4 +1,4 @@
-"""``minisgl.layers.linear.linear``: the CPU float32 product formulation must equal ``F.linear``."""
+"""``KernelSet.linear`` (PyTorch): the CPU float32 product formulation must equal ``F.linear``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers.linear import _weight_major, linear
+from minisgl.kernel import KernelSet, weight_major
+
+linear = KernelSet().linear
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 8, 15, 16, 40, 256, 257, 600])
@@ -32,10 +34,10 @@ def test_linear_keeps_leading_dims_and_noncontiguous_input() -> None:
     torch.testing.assert_close(got.reshape(32, 40), F.linear(x.reshape(32, 96), w), atol=1e-4, rtol=1e-5)
 
 
-def test_weight_major_rule() -> None:
-    assert not _weight_major(1)  # a matrix-vector product either way
-    assert _weight_major(2) and _weight_major(8) and _weight_major(16) and _weight_major(256)
-    assert not _weight_major(257)  # prefill-sized: F.linear
+def testweight_major_rule() -> None:
+    assert not weight_major(1)  # a matrix-vector product either way
+    assert weight_major(2) and weight_major(8) and weight_major(16) and weight_major(256)
+    assert not weight_major(257)  # prefill-sized: F.linear
 
 
 def test_linear_other_dtypes_unchanged() -> None:

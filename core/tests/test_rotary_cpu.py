@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisgl.kernel import KernelSet, NativeCPUKernels, select_kernels
 from minisgl.layers.rotary import RotaryEmbedding
 
 
@@ -20,12 +21,10 @@ def _reference(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) 
 
 
 def _rope(path: str) -> RotaryEmbedding:
-    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
-    if path == "torch":
-        rope._cpu = None
-    elif rope._cpu is None:
+    kernels = KernelSet() if path == "torch" else select_kernels("cpu", torch.float32)
+    if path == "native" and not isinstance(kernels, NativeCPUKernels):
         pytest.skip("the native CPU kernels are unavailable here")
-    return rope
+    return RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"}, kernels=kernels)
 
 
 @pytest.mark.parametrize("path", ["torch", "native"])

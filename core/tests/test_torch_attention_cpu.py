@@ -1,4 +1,4 @@
-"""The torch backend's CPU decode path (requests grouped by KV length) against its generic padded path."""
+"""The cpu attention backend (native decode, per-request prefill) against the torch reference's padded path."""
 
 from __future__ import annotations
 
@@ -8,38 +8,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from minisgl.attention import AttentionContext, torch_backend
-from minisgl.attention.torch_backend import TorchAttnBackend, TorchDecodeMetadata, group_by_length
+from minisgl.attention import AttentionContext, cpu_backend
+from minisgl.attention.cpu_backend import CPUAttnBackend
+from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kernel.cpu import load_cpu_kernels
 from minisgl.kvcache import KVLayout, MHAKVPool
+from minisgl.plugins import Unsupported
 
-
-def _padded_cost(groups: list[list[int]], lengths: list[int], overhead: int) -> int:
-    return sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)
-
-
-@pytest.mark.parametrize("lengths", [[5], [7, 7, 7], [1, 300, 2, 299, 150], [30, 10, 20, 10, 40, 35, 200, 210]])
-@pytest.mark.parametrize("overhead", [0, 16, 256, 10_000])
-def test_group_by_length_is_an_optimal_partition(lengths: list[int], overhead: int) -> None:
-    groups = group_by_length(lengths, overhead)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    maxima = [max(lengths[i] for i in g) for g in groups]
-    assert maxima == sorted(maxima), "groups come out shortest first"
-    # Brute force over every split of the sorted order into runs.
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best = min(
-        _padded_cost([order[a:b] for a, b in itertools.pairwise((0, *cuts, len(order)))], lengths, overhead)
-        for k in range(len(order))
-        for cuts in itertools.combinations(range(1, len(order)), k)
-    )
-    assert _padded_cost(groups, lengths, overhead) == best
-
-
-def test_group_by_length_extremes() -> None:
-    assert group_by_length([4, 4, 4, 4], 0) == [[0, 1, 2, 3]]
-    assert group_by_length([9, 1, 5], 0) == [[1], [2], [0]]
-    assert group_by_length([9, 1, 5], 10_000) == [[1, 2, 0]]
-    assert group_by_length([], 10) == []
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="the native CPU kernels are unavailable here")
 
 
 def _decode_setup(page_size: int, hq: int, hkv: int, lengths: list[int], seed: int):
@@ -86,7 +63,7 @@ def _reference(q: torch.Tensor, ctx: AttentionContext, batch: Batch, layer: int)
 
 
 def _against_padded(
-    fast: TorchAttnBackend, fast_batch: Batch, padded: TorchAttnBackend, batch: Batch, n: int, gen: torch.Generator
+    fast: CPUAttnBackend, fast_batch: Batch, padded: TorchAttnBackend, batch: Batch, n: int, gen: torch.Generator
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Random q/k/v for ``n`` new tokens through both backends, two layers; outputs must agree.
 
@@ -104,46 +81,7 @@ def _against_padded(
         yield layer, q, got
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("overhead", [0, 32, 10_000])
-def test_grouped_decode_equals_padded_decode(
-    page_size: int, hq: int, hkv: int, overhead: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(torch_backend, "GROUP_OVERHEAD_TOKENS", overhead)
-    lengths = [37, 1, 16, 17, 130, 5, 64, 129, 33, 130]
-    ctx, batch, gen = _decode_setup(page_size, hq, hkv, lengths, seed=page_size + hq)
-    grouped = TorchAttnBackend(ctx, grouped_decode=True, native_decode=False)
-    padded = TorchAttnBackend(ctx, grouped_decode=False, native_decode=False)
-    grouped_batch = Batch(**{**batch.__dict__, "attn_metadata": None})
-    grouped.prepare_metadata(grouped_batch)
-    padded.prepare_metadata(batch)
-    meta = grouped_batch.attn_metadata
-    assert isinstance(meta, TorchDecodeMetadata)
-    if overhead == 0:
-        assert len(meta.groups) == len(set(lengths))
-    if overhead == 10_000:
-        assert len(meta.groups) == 1 and meta.groups[0].rows is None
-    for layer, q, got in _against_padded(grouped, grouped_batch, padded, batch, len(lengths), gen):
-        torch.testing.assert_close(got.double(), _reference(q, ctx, batch, layer), atol=1e-5, rtol=1e-5)
-
-
-def test_equal_lengths_need_no_mask() -> None:
-    ctx, batch, _ = _decode_setup(16, 4, 2, [20, 20, 20], seed=0)
-    TorchAttnBackend(ctx, grouped_decode=True, native_decode=False).prepare_metadata(batch)
-    meta = batch.attn_metadata
-    assert isinstance(meta, TorchDecodeMetadata)
-    assert [g.mask for g in meta.groups] == [None]
-
-
-def test_grouped_decode_is_cpu_default_and_skips_prefill() -> None:
-    ctx, batch, _ = _decode_setup(16, 4, 2, [20, 3], seed=0)
-    assert TorchAttnBackend(ctx).grouped_decode
-    batch.reqs[0].cached_len = 10  # 10 new tokens: a prefill chunk takes the padded path
-    TorchAttnBackend(ctx, native_decode=False).prepare_metadata(batch)
-    assert not isinstance(batch.attn_metadata, TorchDecodeMetadata)
-
-
+@needs_kernels
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
 def test_per_request_prefill_equals_padded_prefill(page_size: int, hq: int, hkv: int) -> None:
@@ -154,13 +92,12 @@ def test_per_request_prefill_equals_padded_prefill(page_size: int, hq: int, hkv:
         req.cached_len = c
     new_slots = [ctx.page_table[i, c:n] for i, (c, n) in enumerate(zip(cached, lengths, strict=True))]
     batch.out_loc = torch.cat(new_slots).long()
-    per_request, padded = TorchAttnBackend(ctx), TorchAttnBackend(ctx, per_request_prefill=False)
-    assert per_request.per_request_prefill
+    per_request, padded = CPUAttnBackend(ctx), TorchAttnBackend(ctx)
     per_request_batch = Batch(**{**batch.__dict__, "attn_metadata": None})
     per_request.prepare_metadata(per_request_batch)
     padded.prepare_metadata(batch)
-    assert isinstance(per_request_batch.attn_metadata, torch_backend.TorchPrefillMetadata)
-    assert isinstance(batch.attn_metadata, torch_backend.TorchAttnMetadata)
+    assert all(isinstance(r, cpu_backend.PrefillRequest) for r in per_request_batch.attn_metadata)
+    assert isinstance(batch.attn_metadata, TorchAttnMetadata)
     for layer, q, got in _against_padded(per_request, per_request_batch, padded, batch, len(batch.out_loc), gen):
         # The last new token of each request against the float64 reference (its full KV).
         last = torch.tensor(list(itertools.accumulate(n_ - c for n_, c in zip(lengths, cached, strict=True)))) - 1
@@ -168,31 +105,33 @@ def test_per_request_prefill_equals_padded_prefill(page_size: int, hq: int, hkv:
         torch.testing.assert_close(got[last].double(), want_last, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernels
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
 def test_native_decode_equals_padded_decode(page_size: int, hq: int, hkv: int) -> None:
-    from minisgl.kernel import cpu
-
     lengths = [37, 1, 16, 17, 130, 5, 64, 129, 33, 130]
     ctx, batch, gen = _decode_setup(page_size, hq, hkv, lengths, seed=page_size * hq)
-    native = TorchAttnBackend(ctx)
-    if cpu.load_cpu_kernels() is None:
-        assert native.native is None
-        pytest.skip("the native CPU kernels are unavailable here")
-    assert native.native is not None, "float32 on CPU decodes with the native kernel by default"
-    padded = TorchAttnBackend(ctx, grouped_decode=False, native_decode=False)
+    native, padded = CPUAttnBackend(ctx), TorchAttnBackend(ctx)
     native_batch = Batch(**{**batch.__dict__, "attn_metadata": None})
     native.prepare_metadata(native_batch)
     padded.prepare_metadata(batch)
-    assert isinstance(native_batch.attn_metadata, torch_backend.NativeDecodeMetadata)
+    assert isinstance(native_batch.attn_metadata, cpu_backend.NativeDecodeMetadata)
     for layer, q, got in _against_padded(native, native_batch, padded, batch, len(lengths), gen):
         torch.testing.assert_close(got.double(), _reference(q, ctx, batch, layer), atol=1e-5, rtol=1e-5)
 
 
-def test_native_decode_needs_float32_on_cpu() -> None:
+def test_cpu_backend_needs_float32_on_cpu() -> None:
     ctx, _, _ = _decode_setup(16, 4, 2, [20, 3], seed=0)
     layout = KVLayout(2, 8, 16, 2, 64, torch.float64, torch.device("cpu"))
     ctx64 = AttentionContext(4, 2, 64, 16, MHAKVPool(layout), ctx.page_table, 2, 64, torch.float64, layout.device)
-    assert TorchAttnBackend(ctx64).native is None
-    with pytest.raises(ValueError, match="native_decode needs CPU float32"):
-        TorchAttnBackend(ctx64, native_decode=True)
+    with pytest.raises(ValueError, match="runs float32 on CPU"):  # the engine's auto then falls back to torch
+        CPUAttnBackend(ctx64)
+    TorchAttnBackend(ctx64)  # the reference runs any dtype
+
+
+def test_cpu_backend_support_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(Unsupported, match="CPU only"):
+        cpu_backend.supported("cuda")
+    monkeypatch.setattr(cpu_backend, "load_cpu_kernels", lambda: None)
+    with pytest.raises(Unsupported, match="could not be built"):
+        cpu_backend.supported("cpu")
