@@ -54,10 +54,11 @@ def test_layers_built_with_each_set_agree(rows: int) -> None:
     for kernels in _sets():
         torch.manual_seed(0)
         tp, comm = TPInfo(), SingleCommunicator()
-        kw = {"tp": tp, "comm": comm, "dtype": torch.float32, "device": torch.device("cpu"), "kernels": kernels}
         norm = RMSNorm(48, 1e-6, kernels=kernels)
         norm.weight.data.uniform_(0.5, 1.5)
-        mlp = GatedMLP(48, 96, "silu", **kw)
+        mlp = GatedMLP(
+            48, 96, "silu", tp=tp, comm=comm, dtype=torch.float32, device=torch.device("cpu"), kernels=kernels
+        )
         head = ParallelLMHead(300, 48, tp=tp, comm=comm, kernels=kernels)
         for p in (*mlp.parameters(), head.weight):
             p.data.normal_(0, 0.1)
