@@ -132,7 +132,7 @@ def follower_main(config_fields: dict[str, Any], rank: int, local_rank: int, top
     """Body of a non-zero rank's process (``python -m minisgl.scheduler.tp_rank``)."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
     exit_with_parent()
-    config = EngineConfig(**{**config_fields, "plugins": tuple(config_fields["plugins"] or ()) or None})
+    config = EngineConfig(**config_fields)
     topo = Topology(**topo_fields)
     scheduler, group, _ = build_rank(config, rank, local_rank, topo, None)
     follow(scheduler, group.control)
@@ -179,8 +179,7 @@ class RankProcesses:
     """The started ranks of this node (all but rank 0 on node 0)."""
 
     def __init__(self, config: EngineConfig, topo: Topology):
-        fields = asdict(config)
-        fields["plugins"] = list(config.plugins) if config.plugins is not None else None
+        fields = config.model_dump(mode="json")
         self.procs: list[RankProcess] = []
         for local, rank in enumerate(topo.local_ranks()):
             if rank == 0:
