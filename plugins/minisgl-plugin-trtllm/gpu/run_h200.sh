@@ -5,7 +5,7 @@
 # under LIMIT seconds (590). Expected: about 4 minutes on a fresh machine, most of it compiling FlashInfer's modules.
 set -uo pipefail
 export LIMIT=${LIMIT:-590}
-source docs/benchmarks/h200_setup.sh  # wheels -> /tmp/site, PYTHONPATH, dist-info of the other packages, step()
+source benchmarks/h200/setup.sh  # wheels -> /tmp/site, PYTHONPATH, dist-info of the other packages, step()
 HERE=plugins/minisgl-plugin-trtllm
 export PYTHONPATH=$PYTHONPATH:$PWD/$HERE/src
 python3 - <<'PY'
