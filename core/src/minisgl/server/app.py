@@ -22,9 +22,10 @@ from ..utils import VERSION
 from .client import EngineClient, ServerGone
 from .limits import RequestGuard, RequestLimits
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
 from .settings import ServeSettings
+from .text_tools import TextTools, load_model_tokenizer
 
 if TYPE_CHECKING:
     from .launcher import Health
@@ -88,6 +89,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the request body must be a JSON object: {err['msg']}")
     if err.get("type") == "missing":
         return APIError(400, f"{param}: this field is required", param=param)
+    if err.get("type") == "extra_forbidden":
+        # OpenAI's own wording, then what to do.
+        return APIError(
+            400,
+            f"Unrecognized request argument supplied: {param} (this server does not know this field; remove it; "
+            "docs/serving.md lists the fields it takes)",
+            param=param,
+        )
     if param.startswith("prompt") and err.get("type") != "value_error":
         message = "expected a string, a list of strings, a list of token ids or a list of token-id lists"
         return APIError(400, f"prompt: {message}", param="prompt")
@@ -110,13 +119,41 @@ class WorkerMonitor(Protocol):
         """The workers' heartbeats, judged."""
 
 
+def model_names(settings: ServeSettings) -> set[str]:
+    """The names a request's ``model`` may use: the served name, and a Hub id as given to ``--model``
+    (with and without its ``@revision``), as clients of other servers send it."""
+    from ..utils.model_path import parse_hub_id
+
+    names = {settings.model_name}
+    hub = parse_hub_id(settings.model) if not settings.served_model_name else None
+    if hub is not None:
+        names |= {settings.model, hub[0]}
+    return names
+
+
 def create_app(
-    settings: ServeSettings, addresses: dict[str, str], info: dict[str, Any], workers: WorkerMonitor
+    settings: ServeSettings,
+    addresses: dict[str, str],
+    info: dict[str, Any],
+    workers: WorkerMonitor,
+    *,
+    text: TextTools | None = None,
 ) -> FastAPI:
-    """The application for one server, whose worker processes ``workers`` watches."""
+    """The application for one server, whose worker processes ``workers`` watches.
+
+    ``text`` tokenizes for ``/tokenize`` and ``/detokenize``; by default the model's tokenizer,
+    loaded in the background when the app starts.
+    """
     model_name = settings.model_name
+    names = model_names(settings)
     metrics = ServerMetrics(model_name)
     client = EngineClient(addresses, metrics, workers.tokenizers)
+    max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
+    vocab_size = int(info["vocab_size"]) if info.get("vocab_size") else None
+    if text is None:
+        model = settings.model
+        text = TextTools(lambda: load_model_tokenizer(model), max_model_len, vocab_size)
+    tools = text
 
     async def watch_workers(app: FastAPI) -> None:
         while True:
@@ -151,6 +188,7 @@ def create_app(
         if info.get("max_model_len") and info.get("vocab_size"):
             limits = TokenizerLimits(int(info["max_model_len"]), int(info["vocab_size"]))
         await client.start(limits)
+        tools.start()
         watcher = asyncio.create_task(watch_workers(app))
 
         def begin_drain() -> None:
@@ -164,6 +202,7 @@ def create_app(
         app.state.begin_drain = begin_drain
         yield
         watcher.cancel()
+        tools.close()
         await client.close()
 
     app = FastAPI(title="minisgl", version=VERSION, lifespan=lifespan)
@@ -200,7 +239,7 @@ def create_app(
         return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name not in names:
             raise APIError(
                 404,
                 f"the model '{name}' does not exist; this server serves '{model_name}'",
@@ -227,8 +266,9 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        body.check_supported()
         limits.check_choices(body.n)
-        messages = [m.plain() for m in body.messages]
+        messages = body.plain_messages()
         params: list[SamplingParams] = [body.params(i) for i in range(body.n)]
         jobs = [Job(GenerateReq(client.new_rid(), p.to_dict(), messages=messages), i, 0) for i, p in enumerate(params)]
         shape = ResponseShape(True, model_name, body.logprobs, body.include_usage)
@@ -237,10 +277,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo: echoing the prompt is not supported", param="echo")
-        if body.suffix:
-            raise APIError(400, "suffix: suffixes are not supported", param="suffix")
+        body.check_supported()
         limits.check_choices(body.n, len(body.prompts()))
         jobs = []
         for pi, prompt in enumerate(body.prompts()):
@@ -256,17 +293,48 @@ def create_app(
         shape = ResponseShape(False, model_name, body.logprobs is not None, body.include_usage)
         return await respond(request, jobs, shape, body.stream, "prompt")
 
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "minisgl",
+        "root": settings.model,
+        "max_model_len": info.get("max_model_len"),
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "minisgl",
-            "root": settings.model,
-            "max_model_len": info.get("max_model_len"),
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict[str, Any]:
+        if model_id not in names:
+            raise APIError(
+                404,
+                f"The model '{model_id}' does not exist; this server serves '{model_name}'",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return card
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        source = body.source()
+        chat = not isinstance(source, str)
+        special = body.add_special_tokens if body.add_special_tokens is not None else not chat
+        generation_prompt = body.add_generation_prompt is not False
+        ids, strs = await tools.tokenize(source, special, generation_prompt, body.return_token_strs)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+        if strs is not None:
+            out["token_strs"] = strs
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return {"prompt": await tools.detokenize(body.tokens)}
 
     @app.get("/health")
     async def health() -> Response:

@@ -11,11 +11,12 @@ send extra options keep working.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..core import SamplingParams
+from ..core import SamplingParams, ValidationError
 
 _INT32 = 2**31 - 1  # bounds keep every value msgpack- and tensor-friendly
 # OpenAI accepts at most 4 stop strings. Their length is bounded too: the detokenizer checks, for
@@ -55,7 +56,7 @@ def surrogate_problem(value: Any) -> str | None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
 
 class _Checked(_Body):
@@ -76,9 +77,15 @@ class _Checked(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # refused when true (see UNSUPPORTED)
 
 
 class ContentPart(_Body):
+    """One part of a message's content; only text parts are taken (checked in :meth:`ChatMessage.plain`,
+    so that the error names the part type rather than a union alternative)."""
+
+    model_config = ConfigDict(extra="allow")
+
     type: str
     text: str | None = None
 
@@ -87,22 +94,41 @@ class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # of a tool message: passed to the chat template
+    # Refused unless empty (see MESSAGE_FIELDS): assistant tool calls, and what OpenAI's audio/refusals add.
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
 
-    def plain(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content as one string."""
+    def plain(self, where: str = "messages") -> dict[str, Any]:
+        """The message as a chat template expects it: content as one string.
+
+        Raises :class:`~minisgl.core.ValidationError` for what cannot be used (``where`` names the message).
+        """
+        for name, (is_noop, message) in MESSAGE_FIELDS.items():
+            if not is_noop(getattr(self, name)):
+                raise ValidationError(f"{where}.{name}", message)
         content = self.content
         if isinstance(content, list):
-            unsupported = [p.type for p in content if p.type != "text"]
-            if unsupported:
-                from ..core import ValidationError
-
-                raise ValidationError(
-                    "messages", f"content parts of type {unsupported[0]!r} are not supported (text only)"
-                )
+            for i, part in enumerate(content):
+                if part.type != "text":
+                    raise ValidationError(
+                        f"{where}.content[{i}]",
+                        f"content parts of type {part.type!r} are not supported (text only: "
+                        '{"type": "text", "text": ...})',
+                    )
+                extra = next(iter(part.model_extra or {}), None)
+                if extra is not None:
+                    raise ValidationError(
+                        f"{where}.content[{i}].{extra}", "Unrecognized field of a text part (it takes only 'text')"
+                    )
             content = "".join(p.text or "" for p in content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -126,7 +152,27 @@ class _Sampling(_Checked):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted and validated; they change nothing in the output (as at OpenAI, where they label the
+    # request for abuse monitoring and cache routing; this server's prefix cache needs no key).
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    # Refused unless they ask for nothing: see PENDING and UNSUPPORTED.
+    logit_bias: dict[str, int | float] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
+        if v is not None:
+            if len(v) > 16:
+                raise ValueError(f"at most 16 key-value pairs, got {len(v)}")
+            if any(len(k) > 64 for k in v) or any(len(x) > 512 for x in v.values()):
+                raise ValueError("keys may be at most 64 characters and values at most 512")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -151,6 +197,12 @@ class _Sampling(_Checked):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Raise :class:`~minisgl.core.ValidationError` (a 400 naming the field) for what this server cannot do."""
+        problem = refusal(self)
+        if problem is not None:
+            raise ValidationError(*problem)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
         """Parameters of choice ``index``: with ``n`` > 1 and a seed, each choice gets its own seed."""
@@ -181,6 +233,23 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Refused unless they ask for nothing: see PENDING and UNSUPPORTED.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+
+    def plain_messages(self) -> list[dict[str, Any]]:
+        return [m.plain(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
     def params(self, index: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -199,6 +268,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt")
     @classmethod
@@ -223,3 +293,155 @@ class CompletionRequest(_Sampling):
 
     def params(self, index: int) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs, index)
+
+
+# ------------------------------------------------------------------ what is refused
+# A field's entry: (does this value ask for nothing?, what to tell the client). The value checks
+# see the whole request, for fields whose meaning depends on another (tool_choice without tools).
+Check = Callable[[Any, Any], bool]
+
+
+def _absent(v: Any, body: Any) -> bool:
+    return v is None
+
+
+def _empty(v: Any, body: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+def _one_of(*values: Any) -> Check:
+    return lambda v, body: v is None or any(type(v) is type(x) and v == x for x in values)
+
+
+def _no_tools(body: Any) -> bool:
+    return not getattr(body, "tools", None) and not getattr(body, "functions", None)
+
+
+# Features another change will implement. When one lands, delete its entry here and honour the
+# field (its type is already declared on the request model).
+PENDING: dict[str, tuple[Check, str]] = {
+    "response_format": (
+        _one_of({"type": "text"}),
+        "structured output (json_object, json_schema) is not supported yet; leave response_format out "
+        'or send {"type": "text"}',
+    ),
+    "tools": (_empty, "tool calling is not supported yet; leave tools out"),
+    "tool_choice": (
+        lambda v, body: v is None or (v in ("none", "auto") and _no_tools(body)),
+        'tool calling is not supported yet; leave tool_choice out (or "none")',
+    ),
+    "parallel_tool_calls": (
+        lambda v, body: v is None or _no_tools(body),
+        "tool calling is not supported yet; leave parallel_tool_calls out",
+    ),
+    "functions": (_empty, "function calling is not supported yet; leave functions out"),
+    "function_call": (
+        lambda v, body: v is None or (v in ("none", "auto") and _no_tools(body)),
+        'function calling is not supported yet; leave function_call out (or "none")',
+    ),
+    "logit_bias": (
+        lambda v, body: v is None or all(x == 0 for x in v.values()),
+        "logit_bias is not supported yet; leave it out (or send {})",
+    ),
+}
+
+# Fields of a chat message, refused (by ChatMessage.plain) unless empty.
+MESSAGE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tool_calls": (lambda v: not v, "tool calling is not supported yet; send assistant messages without tool_calls"),
+    "function_call": (lambda v: v is None, "function calling is not supported yet; leave function_call out"),
+    "refusal": (lambda v: v is None, "refusals are not taken as input; send the text as content"),
+    "audio": (lambda v: v is None, "audio is not supported (text only); leave audio out"),
+}
+
+
+def _best_of(v: Any, body: Any) -> bool:
+    return v is None or v <= body.n  # below n is refused by refusal(), with its own message
+
+
+# What this server does not do, and no change plans to.
+UNSUPPORTED: dict[str, tuple[Check, str]] = {
+    "echo": (_one_of(False), "echoing the prompt is not supported; leave echo out or false"),
+    "suffix": (_one_of(""), "suffixes (insertion) are not supported; leave suffix out"),
+    "best_of": (
+        _best_of,
+        "generating best_of candidates and returning the n best is not supported; leave best_of out or set it "
+        "equal to n",
+    ),
+    "audio": (_absent, "audio output is not supported (text only); leave audio out"),
+    "modalities": (_one_of(["text"]), 'only text output is supported; leave modalities out or send ["text"]'),
+    "prediction": (_absent, "predicted outputs are not supported; leave prediction out"),
+    "reasoning_effort": (_absent, "reasoning_effort is not supported; leave it out"),
+    "verbosity": (_absent, "verbosity is not supported; leave it out"),
+    "web_search_options": (_absent, "web search is not supported; leave web_search_options out"),
+    "store": (_one_of(False), "this server stores no completions; leave store out or false"),
+    "service_tier": (
+        _one_of("auto", "default"),
+        'this server has one service tier; leave service_tier out or send "auto" or "default"',
+    ),
+    "prompt_cache_retention": (
+        _one_of("in-memory"),
+        'the prefix cache lives in memory only; leave prompt_cache_retention out or send "in-memory"',
+    ),
+}
+
+
+def refusal(body: _Sampling) -> tuple[str, str] | None:
+    """(field, message) for the first thing in ``body`` this server cannot do, or None."""
+    fields = type(body).model_fields
+    for table in (PENDING, UNSUPPORTED):
+        for name, (is_noop, message) in table.items():
+            if name in fields and not is_noop(getattr(body, name), body):
+                return name, message
+    options = body.stream_options
+    if options is not None:
+        if not body.stream:
+            return "stream_options", "stream_options is only allowed with stream: true"
+        if options.include_obfuscation:
+            return (
+                "stream_options.include_obfuscation",
+                "this server does not pad streamed chunks; leave include_obfuscation out or false",
+            )
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        return "top_logprobs", "top_logprobs needs logprobs: true"
+    if isinstance(body, CompletionRequest) and body.best_of is not None and body.best_of < body.n:
+        return "best_of", f"best_of ({body.best_of}) must be at least n ({body.n})"
+    return None
+
+
+# ------------------------------------------------------------------ /tokenize, /detokenize
+class TokenizeRequest(_Checked):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages`` (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # Default: true for a prompt (as /v1/completions tokenizes it), false for messages (the chat
+    # template writes any BOS token itself, as /v1/chat/completions does).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    return_token_strs: bool = False
+
+    def source(self) -> str | list[dict[str, Any]]:
+        """The prompt, or the messages as the chat template takes them; refuses what does not fit together."""
+        if (self.prompt is None) == (self.messages is None):
+            raise ValidationError("prompt", "send either prompt (a string) or messages (a chat), not both or neither")
+        if self.messages is None:
+            if self.add_generation_prompt is not None:
+                raise ValidationError("add_generation_prompt", "add_generation_prompt applies to messages only")
+            return self.prompt or ""
+        return [m.plain(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+
+class DetokenizeRequest(_Checked):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        bad = next((i for i, t in enumerate(v) if not 0 <= t <= _INT32), None)
+        if bad is not None:
+            raise ValueError(f"token id {v[bad]} (item {bad}) is not a valid token id")
+        return v

@@ -1,0 +1,128 @@
+"""The API process's own tokenizer, for ``POST /tokenize`` and ``POST /detokenize``.
+
+Generation requests are tokenized by the tokenizer worker processes, which send the ids on to the
+scheduler and never back to the API server. These two routes answer with the ids (or the text)
+themselves, so they get a tokenizer of their own here rather than a new round trip through the
+workers: loaded once, at start-up, on a background thread, and every call runs on that one thread
+(``minisgl-tokenize``), never on the event loop. Each call's work is bounded: a text that surely has
+more tokens than the context length (judged from its length in characters) is refused before it is
+tokenized, and no more ids than the context length are decoded. The cost is one more copy of the
+tokenizer (and of the libraries it needs) in the API process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ..core import ValidationError
+from ..tokenizer.worker import _max_token_chars
+from .serving import APIError
+
+logger = logging.getLogger("minisgl.server")
+T = TypeVar("T")
+
+
+def load_model_tokenizer(model: str) -> Any:
+    """The tokenizer of ``--model`` (as the tokenizer workers load it), or None when it ships none."""
+    from ..models import ModelSource, load_tokenizer
+
+    return load_tokenizer(ModelSource.from_path(model))
+
+
+class TextTools:
+    """Tokenizes and detokenizes on a thread of its own, within the model's limits."""
+
+    def __init__(self, load: Callable[[], Any], max_model_len: int | None = None, vocab_size: int | None = None):
+        self._load = load
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
+        self._loaded: Future[tuple[Any, int]] | None = None
+
+    def start(self) -> None:
+        """Start loading the tokenizer (in the background); calls made meanwhile wait for it."""
+        if self._loaded is None:
+            self._loaded = self._pool.submit(self._load_now)
+
+    def _load_now(self) -> tuple[Any, int]:
+        try:
+            tok = self._load()
+        except Exception:
+            logger.exception("cannot load the tokenizer for /tokenize and /detokenize")
+            raise
+        return tok, (_max_token_chars(tok) if tok is not None else 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        self.start()
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+
+    def _tokenizer(self, field: str) -> tuple[Any, int]:
+        assert self._loaded is not None
+        try:
+            tok, max_chars = self._loaded.result()  # done: loading ran first on this one thread
+        except Exception as exc:
+            raise APIError(
+                503,
+                f"the tokenizer could not be loaded ({type(exc).__name__}: {exc}); see the server log",
+                "server_error",
+                code="service_unavailable",
+            ) from None
+        if tok is None:
+            raise ValidationError(field, "this model has no tokenizer (its directory ships no tokenizer files)")
+        return tok, max_chars
+
+    # ------------------------------------------------------------------ calls
+    async def tokenize(
+        self, source: str | list[dict[str, Any]], add_special_tokens: bool, add_generation_prompt: bool, strs: bool
+    ) -> tuple[list[int], list[str] | None]:
+        """Token ids (and their strings when ``strs``) of a prompt or of chat messages."""
+        return await self._run(self._tokenize, source, add_special_tokens, add_generation_prompt, strs)
+
+    def _tokenize(
+        self, source: str | list[dict[str, Any]], add_special_tokens: bool, add_generation_prompt: bool, strs: bool
+    ) -> tuple[list[int], list[str] | None]:
+        field = "prompt" if isinstance(source, str) else "messages"
+        tok, max_chars = self._tokenizer(field)
+        if isinstance(source, str):
+            text = source
+        else:
+            try:
+                text = tok.apply_chat_template(source, tokenize=False, add_generation_prompt=add_generation_prompt)
+            except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
+                raise ValidationError("messages", f"cannot apply the chat template: {exc}") from None
+        limit = self.max_model_len
+        if limit and max_chars > 0:
+            at_least = math.ceil(len(text) / max_chars)
+            if at_least > limit:
+                raise ValidationError(
+                    field,
+                    f"the text has at least {at_least} tokens ({len(text)} characters), "
+                    f"more than the context length {limit}",
+                )
+        ids = [int(t) for t in tok.encode(text, add_special_tokens=add_special_tokens)]
+        if limit and len(ids) > limit:
+            raise ValidationError(field, f"the text has {len(ids)} tokens, more than the context length {limit}")
+        return ids, (list(tok.convert_ids_to_tokens(ids)) if strs else None)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens included, as they are)."""
+        return await self._run(self._detokenize, ids)
+
+    def _detokenize(self, ids: list[int]) -> str:
+        tok, _ = self._tokenizer("tokens")
+        limit = self.max_model_len
+        if limit and len(ids) > limit:
+            raise ValidationError("tokens", f"{len(ids)} token ids, more than the context length {limit}")
+        vocab = self.vocab_size or len(tok)
+        bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
+        if bad is not None:
+            raise ValidationError("tokens", f"token id {ids[bad]} (item {bad}) is outside the vocabulary [0, {vocab})")
+        return str(tok.decode(ids, skip_special_tokens=False))
