@@ -194,3 +194,12 @@ def test_tokenizer_that_failed_to_load_is_503(tmp_path: Path) -> None:
         resp = client.post("/tokenize", json={"prompt": "x"})
         assert resp.status_code == 503 and "disk on fire" in resp.json()["error"]["message"]
         assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "bogus": 1}).status_code == 400
+
+
+def test_default_tokenizer_is_the_models(tiny_model: Path, tokenizer: Any, tmp_path: Path) -> None:
+    """Without ``text``, the app loads ``--model``'s tokenizer itself (as the launcher's create_app call does)."""
+    addresses = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("api", "tokenizer-0")}
+    app = create_app(ServeSettings(model=str(tiny_model)), addresses, {"max_model_len": 256}, Workers())
+    with TestClient(app) as client:
+        out = client.post("/tokenize", json={"model": tiny_model.name, "prompt": "Hello world"}).json()
+        assert out == {"count": 2, "max_model_len": 256, "tokens": tokenizer.encode("Hello world")}

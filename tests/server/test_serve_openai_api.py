@@ -320,6 +320,21 @@ def test_unknown_model_is_404(tiny_server: Server, client: Any) -> None:
     assert_error(post(tiny_server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model", "'gpt-4'")
 
 
+def test_tokenize_matches_the_prompt_the_engine_counts(tiny_server: Server, client: Any, tiny_model: Path) -> None:
+    """/tokenize (the API process's own tokenizer) counts the tokens a chat request's usage reports."""
+    tokens = post(tiny_server, "/tokenize", {"model": tiny_model.name, "messages": MESSAGES}).json()
+    reply = client.chat.completions.create(model=tiny_model.name, messages=MESSAGES, max_tokens=1)
+    assert tokens["count"] == reply.usage.prompt_tokens == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 256
+    text = post(tiny_server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"]
+    assert "Name three colours." in text
+    # Unknown arguments are refused, as OpenAI refuses them; the official client sends only known ones.
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: best_guess"):
+        client.chat.completions.create(model=tiny_model.name, messages=MESSAGES, extra_body={"best_guess": 1})
+
+
 def test_unknown_route_is_404_in_openai_shape(tiny_server: Server) -> None:
     assert_error(httpx.get(tiny_server.url + "/v1/nothing"), 404, None, "Not Found")
 
