@@ -76,7 +76,7 @@ class Setup:
                                     torch.device("cpu"))  # fmt: skip
         self.kernels = EmulatedKernels()
         self.backend = emulated(decode, with_context, self.kernels)(self.ctx)
-        self.ref = TorchAttnBackend(replace(self.ctx), native_decode=False)
+        self.ref = TorchAttnBackend(replace(self.ctx))
 
     def batch(self, phase: str, specs: list[tuple[int, int]]) -> Batch:
         """``specs``: (cached, new) tokens per request, rows in order; pages drawn at random."""

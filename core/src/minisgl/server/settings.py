@@ -68,11 +68,14 @@ class ServeSettings(EngineFields, BaseSettings):
         """The name clients use in the ``model`` field."""
         if self.served_model_name:
             return self.served_model_name
-        from pathlib import PurePath
+        from pathlib import Path, PurePath
 
-        from ..utils.model_path import DIST_PREFIX, ModelPathError, resolve_model_path
+        from ..utils.model_path import DIST_PREFIX, ModelPathError, parse_hub_id, resolve_model_path
 
         path = PurePath(self.model.rstrip("/"))
+        hub = parse_hub_id(self.model)
+        if hub is not None and not Path(self.model).expanduser().exists():
+            return hub[0].split("/", 1)[1]  # Qwen/Qwen3-0.6B@main -> Qwen3-0.6B
         if self.model.startswith(DIST_PREFIX):
             try:
                 path = resolve_model_path(self.model)
@@ -179,9 +182,10 @@ def preflight(settings: ServeSettings) -> list[str]:
         EngineConfig(**{**settings.engine_fields(), "device": "cpu" if device == "auto" else device})
     except ValidationError as exc:
         raise PreflightError(f"{_flag_for(exc.field)}: {exc.message}") from None
-    if not (settings.load_format == "dummy" and settings.hf_config_path):
-        from ..utils.model_path import ModelPathError, resolve_model_path
+    from ..utils.model_path import ModelPathError, parse_hub_id, resolve_model_path
 
+    # A Hub id is downloaded here, once, before the workers start (they then find it cached).
+    if not (settings.load_format == "dummy" and settings.hf_config_path) or parse_hub_id(settings.model):
         try:
             resolve_model_path(settings.model)
         except ModelPathError as exc:

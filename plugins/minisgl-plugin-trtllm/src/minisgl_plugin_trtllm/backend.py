@@ -113,7 +113,7 @@ class TrtllmAttnBackend(BaseAttnBackend):
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=ctx.device)
         self.prefill_fallback = None
         if kernels.context is None:
-            self.prefill_fallback = TorchAttnBackend(ctx, per_request_prefill=True, native_decode=False)
+            self.prefill_fallback = TorchAttnBackend(ctx)
         self._fallback_used = False
         self._columns = torch.arange(-(-ctx.max_seq_len // ctx.page_size), dtype=torch.int32, device=ctx.device)
         self._graph_tables: torch.Tensor | None = None
