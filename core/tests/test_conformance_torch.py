@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
@@ -21,16 +19,6 @@ def _builtin_only() -> PluginRegistry:
 
 class TestTorchBackendConformance(AttentionBackendConformance):
     backend = "torch"
-
-    def load_registry(self) -> PluginRegistry:
-        return _builtin_only()
-
-
-class TestTorchBackendPadded(AttentionBackendConformance):
-    """The generic padded path for every batch (on CPU, decode batches default to length groups and
-    prefill batches to one attention call per request)."""
-
-    backend = partial(TorchAttnBackend, grouped_decode=False, per_request_prefill=False)
 
     def load_registry(self) -> PluginRegistry:
         return _builtin_only()
@@ -98,10 +86,7 @@ class _WrongLayer(TorchAttnBackend):
 
 
 class _PaddedBackend(TorchAttnBackend):
-    """The generic padded path, whose one mask the broken backends below edit."""
-
-    def __init__(self, ctx: AttentionContext):
-        super().__init__(ctx, per_request_prefill=False)
+    """The reference's one padded path, whose mask the broken backends below edit."""
 
 
 class _IgnoresCachedPrefix(_PaddedBackend):

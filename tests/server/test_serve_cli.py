@@ -43,7 +43,8 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
     for flag in ("--model", "--attn", "--cache", "--page-size", "--dtype", "--device", "--max-running-requests",
                  "--chunked-prefill-size", "--max-model-len", "--host", "--port", "--api-key",
                  "--served-model-name", "--tp", "--num-pages", "--mem-fraction", "--cpu-kv-cache-gb",
-                 "--load-format", "--model-config", "--hf-config-path", "--kernels", "--seed", "--cuda-graph-max-bs", "--overlap-schedule",
+                 "--load-format", "--model-config", "--hf-config-path", "--kernels", "--seed",
+                 "--cuda-graph-max-bs", "--overlap-schedule",
                  "--kv-pool", "--moe-backend", "--shell", "--nnodes", "--node-rank", "--dist-init-addr",
                  "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
         assert flag in out.stdout, flag

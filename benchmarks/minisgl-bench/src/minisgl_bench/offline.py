@@ -148,10 +148,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_schedule": not args.no_overlap,
         "mem_fraction": args.mem_fraction,
         "tp": args.tp,
+        "kernels": args.kernels,
     }
     if args.load_format == "dummy":
         kw["load_format"] = "dummy"
-        kw["model_config"] = args.model_config or str(CONFIG_DIR / "qwen3-0.6b.json")
+        kw["hf_config_path"] = args.model_config or str(CONFIG_DIR / "qwen3-0.6b.json")
     return kw
 
 
@@ -192,7 +193,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         "cuda_graphs": engine.graphs is not None,
         "cuda_graph_capture_seconds": engine.graphs.capture_seconds if engine.graphs is not None else None,
         "overlap_schedule": llm.scheduler.overlap,
-        "kv_pages": engine.kv.num_pages,
+        "kv_pages": llm.scheduler.kv.num_pages,
         "config": {k: v for k, v in _engine_kwargs(args).items()},
     }
     llm.check_accounting()
@@ -310,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 disables CUDA graphs")
     p.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
+    p.add_argument(
+        "--kernels", choices=("auto", "torch"), default="auto", help="layer kernels (torch = plain PyTorch, ablations)"
+    )
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (cpu workload)")

@@ -27,9 +27,9 @@ class TorchAttnMetadata:
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    def __init__(self, ctx: AttentionContext, **_old_options: bool | None):
-        # grouped_decode / per_request_prefill / native_decode chose CPU fast paths, now the ``cpu``
-        # backend's; accepted and ignored until callers drop them.
+    """The reference: gather each request's K/V from the paged pool, pad, one masked SDPA per layer."""
+
+    def __init__(self, ctx: AttentionContext):
         self.ctx = ctx
 
     def prepare_metadata(self, batch: Batch) -> None:

@@ -20,6 +20,7 @@ from ..attention import AttentionContext, BaseAttnBackend, HybridAttnBackend
 from ..config import EngineConfig
 from ..core import Batch, TokenLogprob, ValidationError
 from ..distributed import Communicator, SingleCommunicator, TPInfo
+from ..kernel import select_kernels
 from ..kvcache import BaseKVPool, KVLayout
 from ..layers import ForwardContext
 from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
@@ -85,6 +86,8 @@ class Engine:
             )
         self.architecture = archs[0]
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        # The layer kernels, chosen once for this device and dtype (EngineConfig.kernels).
+        self.kernels = select_kernels(self.device, self.dtype, config.kernels)
 
         self._build_components()
         t0 = time.perf_counter()
@@ -96,7 +99,7 @@ class Engine:
         cols = -(-self.max_model_len // config.page_size) * config.page_size
         self.page_table = torch.zeros((config.max_running_requests, cols), dtype=torch.int32, device=self.device)
         self.attn = self._build_attention()
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, kernels=self.kernels)
         # The token each request sampled last, by table row: the input of its next decode step.
         self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
         self.graphs = self._build_graphs()
@@ -132,7 +135,9 @@ class Engine:
         return bool(getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0))
 
     def _build_model(self) -> CausalLM:
-        ctx = ModelContext(self.hf_config, self.dtype, self.device, self.tp, self.comm, self.moe_backend)
+        ctx = ModelContext(
+            self.hf_config, self.dtype, self.device, self.tp, self.comm, self.moe_backend, kernels=self.kernels
+        )
         model = self.model_spec.build(ctx)
         if not isinstance(model, CausalLM):
             raise TypeError(f"model factory for {self.architecture} returned {type(model).__name__}, not a CausalLM")
@@ -168,7 +173,9 @@ class Engine:
         local_kv = max(1, kv_heads // self.tp.size)
         probe = KVLayout(hf.num_hidden_layers, 2, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
         num_pages = self._num_pages(probe.bytes_per_token())
-        layout = KVLayout(hf.num_hidden_layers, num_pages, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
+        layout = KVLayout(
+            hf.num_hidden_layers, num_pages, cfg.page_size, local_kv, head_dim, self.dtype, self.device, self.kernels
+        )
         pool = self.kv_pool_spec.build(layout)
         logger.info(
             "KV pool: %d pages of %d tokens (%.2f GiB)",

@@ -45,7 +45,7 @@ class _Progress:
         if not became_idle and now < self._next:
             return
         self._next = now + 0.2
-        sched, kv = self.sched, self.sched.engine.kv
+        sched, kv = self.sched, self.sched.kv
         cached = int(kv.cache_pages)
         self.state = {
             "running": sched.num_running,
@@ -83,14 +83,14 @@ def scheduler_main(launch: bytes) -> None:
             architecture=engine.architecture,
             max_model_len=int(engine.max_model_len),
             vocab_size=int(sched.vocab_size),
-            kv_pages=int(engine.kv.usable_pages),
+            kv_pages=int(sched.kv.usable_pages),
             page_size=int(engine.config.page_size),
             device=str(engine.device),
             tp=int(engine.config.tp),
             max_running_requests=int(engine.config.max_running_requests),
             chunked_prefill_size=int(engine.config.chunked_prefill_size),
             attention_backend=",".join(spec.name for spec in engine.attn_specs),
-            prefix_cache=type(engine.kv.cache).__name__,
+            prefix_cache=type(sched.kv.cache).__name__,
             cuda_graphs=engine.graphs is not None,
             overlap_schedule=bool(sched.overlap),
         )

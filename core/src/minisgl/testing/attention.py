@@ -135,7 +135,7 @@ class AttentionHarness:
         assert isinstance(self.backend, BaseAttnBackend), (
             f"the backend factory returned {type(self.backend).__name__}, not a BaseAttnBackend"
         )
-        self.reference = TorchAttnBackend(replace(ctx, kv_pool=MHAKVPool(layout)), native_decode=False)
+        self.reference = TorchAttnBackend(replace(ctx, kv_pool=MHAKVPool(layout)))
         self.gen = torch.Generator().manual_seed(seed)
         # Per request: the K/V of layer 0 so far (float64, CPU), to check the reference against plain math.
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
