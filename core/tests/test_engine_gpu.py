@@ -206,7 +206,7 @@ def test_dummy_weights_from_a_config_file(tmp_path: Path) -> None:
     cfg = tiny_config("Qwen3ForCausalLM", head_dim=64).to_dict()
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    llm = LLM("dummy-qwen3", device="cuda", load_format="dummy", model_config=str(path), cuda_graph_max_bs=4)
+    llm = LLM("dummy-qwen3", device="cuda", load_format="dummy", hf_config_path=str(path), cuda_graph_max_bs=4)
     assert llm.engine.source is None
     outs = llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [8, 8, 8]
