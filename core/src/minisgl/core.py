@@ -19,6 +19,9 @@ class ValidationError(ValueError):
         self.message = message
 
 
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.
@@ -42,6 +45,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    #: Added to the logits of these token ids before sampling (OpenAI's ``logit_bias``: -100 bans, 100 forces).
+    logit_bias: dict[int, float] | None = None
+    #: Constrained decoding: ``(kind, text)`` with kind ``json`` (any JSON object; text ignored),
+    #: ``json_schema`` (text: a JSON schema), ``regex`` or ``ebnf`` (text: the pattern or grammar).
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -70,6 +78,20 @@ class SamplingParams:
         check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         for s in self.stop_strings:
             check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
+        for t, b in (self.logit_bias or {}).items():
+            check(
+                isinstance(t, int) and t >= 0,
+                "logit_bias",
+                f"keys must be token ids (non-negative integers), got {t!r}",
+            )
+            check(-100 <= b <= 100, "logit_bias", f"biases must be in [-100, 100], got {b!r} for token {t}")
+        if self.grammar is not None:
+            kind = self.grammar[0] if isinstance(self.grammar, tuple | list) and len(self.grammar) == 2 else None
+            check(
+                kind in GRAMMAR_KINDS,
+                "grammar",
+                f"must be (kind, text) with kind in {GRAMMAR_KINDS}, got {self.grammar!r}",
+            )
         for t in self.stop_ids:
             check(
                 isinstance(t, int) and t >= 0, "stop_token_ids", f"token ids must be non-negative integers, got {t!r}"
@@ -111,6 +133,9 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            # Pairs, not a map: msgpack maps want string keys.
+            "logit_bias": [[t, b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
+            "grammar": list(self.grammar) if self.grammar is not None else None,
         }
 
     @classmethod
@@ -118,6 +143,8 @@ class SamplingParams:
         d = dict(data)
         d["stop"] = tuple(d.get("stop") or ()) or None
         d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ()) or None
+        d["logit_bias"] = {int(t): float(b) for t, b in d.get("logit_bias") or ()} or None
+        d["grammar"] = tuple(d["grammar"]) if d.get("grammar") else None
         return cls(**d)
 
 
