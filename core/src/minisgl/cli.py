@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] in ("-V", "--version"):
-        from . import __version__
+        from .utils import VERSION
 
-        print(f"minisgl {__version__}")
+        print(f"minisgl {VERSION}")
         return 0
     entry = SUBCOMMANDS.get(args[0])
     if entry is None:

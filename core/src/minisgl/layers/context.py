@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..attention import BaseAttnBackend
 from ..core import Batch
+
+if TYPE_CHECKING:  # the backend is built above this floor; layers only call it
+    from ..attention import BaseAttnBackend
 
 
 @dataclass
