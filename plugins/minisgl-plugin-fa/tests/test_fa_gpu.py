@@ -17,8 +17,7 @@ import torch
 from minisgl_plugin_fa.support import Unsupported, choose_generation, installed_generations
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention import AttentionContext, BaseAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, BaseAttnBackend, TorchAttnBackend
 from minisgl.core import Batch
 from minisgl.kvcache import MHAKVPool
 from minisgl.testing.attention import AttentionBackendConformance, AttentionHarness, AttnCase

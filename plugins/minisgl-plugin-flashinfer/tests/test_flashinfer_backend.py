@@ -13,11 +13,9 @@ import random
 import pytest
 import torch
 
-from minisgl.attention import AttentionContext
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, TorchAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.kvcache import KVLayout
-from minisgl.kvcache.pool import MHAKVPool
+from minisgl.kvcache import KVLayout, MHAKVPool
 
 pytestmark = [
     pytest.mark.cuda,

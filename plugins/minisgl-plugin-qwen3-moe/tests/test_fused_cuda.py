@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.moe import route
-from minisgl.moe.torch_backend import TorchMoEBackend
+from minisgl.moe import TorchMoEBackend, route
 from minisgl.testing.models import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -71,7 +71,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from minisgl.moe import route
-    from minisgl.moe.torch_backend import TorchMoEBackend
+    from minisgl.moe import TorchMoEBackend
     from minisgl_plugin_qwen3_moe.align import align_torch
     from minisgl_plugin_qwen3_moe.fused_moe import align, fused_moe
 

@@ -19,8 +19,7 @@ from minisgl_plugin_trtllm.backend import TrtllmAttnBackend, TrtllmKernels, Trtl
 from trtllm_emulation import EmulatedKernels
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention import AttentionContext, HybridAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, HybridAttnBackend, TorchAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.kvcache import KVLayout, MHAKVPool
 from minisgl.plugins import AttentionBackendSpec, ModelSpec, PluginSource, hookimpl, load_plugins

@@ -24,8 +24,7 @@ import torch
 from trtllm_emulation import EmulatedKernels
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention import AttentionContext, HybridAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, HybridAttnBackend, TorchAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.kvcache import KVLayout, MHAKVPool
 from minisgl.testing.attention import AttentionBackendConformance

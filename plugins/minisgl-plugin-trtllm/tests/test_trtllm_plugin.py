@@ -127,8 +127,7 @@ def test_listing_with_a_device_shows_why(gpus: list[tuple[int, int]]) -> None:
 def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
     gpus: list[tuple[int, int]], tmp_path: Path
 ) -> None:
-    from minisgl.server.cli import PreflightError, preflight
-    from minisgl.server.settings import ServeSettings
+    from minisgl.server.settings import PreflightError, ServeSettings, preflight
 
     gpus.append(HOPPER)
     (tmp_path / "config.json").write_text("{}")

@@ -2,5 +2,6 @@
 
 from .base import BaseMoEBackend, route
 from .layer import MoEExperts, SparseMoEBlock, expert_weight_target
+from .torch_backend import TorchMoEBackend
 
-__all__ = ["BaseMoEBackend", "MoEExperts", "SparseMoEBlock", "expert_weight_target", "route"]
+__all__ = ["BaseMoEBackend", "MoEExperts", "SparseMoEBlock", "TorchMoEBackend", "expert_weight_target", "route"]

@@ -32,8 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from minisgl.attention import AttentionContext, BaseAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, BaseAttnBackend, TorchAttnBackend
 from minisgl.core import Batch
 
 from .support import trtllm_gen_problem, xqa_problem

@@ -6,8 +6,7 @@ import logging
 
 import torch
 
-from minisgl.attention import AttentionContext
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, TorchAttnBackend
 from minisgl.core import Batch
 
 logger = logging.getLogger(__name__)
