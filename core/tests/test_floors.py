@@ -11,7 +11,7 @@ ROOT = Path(minisgl.__file__).parent
 
 # Floor of each top-level module or package: a module may import only from its own floor or lower ones.
 FLOORS = {
-    "__main__": 9, "cli": 9, "testing": 9,
+    "__main__": 9, "cli": 9, "testing": 9, "scaffold": 9,
     "server": 8, "llm": 8,
     "tokenizer": 7,
     "scheduler": 6,

@@ -1,0 +1,92 @@
+"""``minisgl plugin new NAME --kind KIND``: a plugin package that installs, lists and passes its tests as generated.
+
+The files come from ``minisgl/templates/plugin/`` (``common/`` plus one folder per kind): a current
+``pyproject.toml`` with the entry point and a ``test`` extra holding what the kind's conformance kit
+needs, the entry module, a component that starts as the core's reference, and a test wired to the kit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import string
+import sys
+from importlib import resources
+from pathlib import Path
+
+from .utils import VERSION
+
+# What each kind's generated test needs besides pytest (the kits' own imports).
+KINDS: dict[str, dict[str, str]] = {
+    "attention": {"component": "backend", "suffix": "AttnBackend", "test_extra": '"pytest>=8"'},
+    "prefix-cache": {"component": "cache", "suffix": "PrefixCache", "test_extra": '"pytest>=8", "hypothesis>=6.100"'},
+    "moe": {"component": "backend", "suffix": "MoEBackend", "test_extra": '"pytest>=8"'},
+}
+USAGE = {
+    "attention": 'Use it with `minisgl serve --attn {name}` or `LLM(..., attention_backend="{name}")`.',
+    "prefix-cache": 'Use it with `minisgl serve --cache {name}` or `LLM(..., prefix_cache="{name}")`.',
+    "moe": 'Use it with `minisgl serve --moe-backend {name}` (MoE models) or `LLM(..., moe_backend="{name}")`.',
+}
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class ScaffoldError(ValueError):
+    """The package cannot be created; the message says why."""
+
+
+def create(name: str, kind: str, parent: Path, description: str = "") -> Path:
+    """Write the package ``minisgl-plugin-NAME`` for a component of ``kind`` under ``parent``; its path."""
+    if not _NAME.match(name):
+        raise ScaffoldError(f"plugin name {name!r} must be lower case letters, digits and '_', starting with a letter")
+    if kind not in KINDS:
+        raise ScaffoldError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    spec = KINDS[kind]
+    dist = f"minisgl-plugin-{name.replace('_', '-')}"
+    module = f"minisgl_plugin_{name}"
+    root = parent / dist
+    if root.exists():
+        raise ScaffoldError(f"{root} already exists; choose another name or folder")
+    major, minor = (int(p) for p in VERSION.split(".")[:2])
+    values = {
+        "name": name,
+        "dist": dist,
+        "module": module,
+        "cls": "".join(p.capitalize() for p in name.split("_")) + spec["suffix"],
+        "description": description or f"the {kind} component '{name}'",
+        "test_extra": spec["test_extra"],
+        "api_min": f"{major}.{minor}",
+        "api_next": f"{major}.{minor + 1}",
+        "usage": USAGE[kind].format(name=name),
+    }
+    templates = resources.files("minisgl") / "templates" / "plugin"
+    files = {
+        "pyproject.toml": templates / "common" / "pyproject.toml.tmpl",
+        "README.md": templates / "common" / "README.md.tmpl",
+        f"src/{module}/plugin.py": templates / kind / "plugin.py.tmpl",
+        f"src/{module}/{spec['component']}.py": templates / kind / f"{spec['component']}.py.tmpl",
+        f"tests/test_{name}.py": templates / kind / "test.py.tmpl",
+    }
+    for rel, template in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(string.Template(template.read_text()).substitute(values))
+    (root / "src" / module / "__init__.py").write_text(f'"""{dist}: {values["description"]}."""\n')
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="minisgl plugin", description="Create a minisgl plugin package.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    new = sub.add_parser("new", help="write a new plugin package that passes its tests as generated")
+    new.add_argument("name", help="the component's name, e.g. mykernel (package minisgl-plugin-mykernel)")
+    new.add_argument("--kind", required=True, choices=list(KINDS), help="what the plugin provides")
+    new.add_argument("--dir", type=Path, default=Path("."), help="folder to create the package in (default: .)")
+    new.add_argument("--description", default="", help="one line shown by `minisgl plugins`")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        root = create(args.name, args.kind, args.dir, args.description)
+    except ScaffoldError as exc:
+        print(f"minisgl plugin: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"created {root}\nnext: cd {root} && pip install -e '.[test]' && minisgl plugins && pytest")
+    return 0
