@@ -211,7 +211,10 @@ class AttentionHarness:
         where = f"step {self.steps} ({phase}, {len(reqs)} requests, {tokens} tokens)"
         for layer in range(self.num_layers):
             before = self._snapshot(layer)
-            q, k, v = self._randn(tokens, hq * d), self._randn(tokens, hkv * d), self._randn(tokens, hkv * d)
+            # Even layers get contiguous q/k/v; odd layers column slices of one fused qkv tensor, the strided
+            # views the engine passes (v is always such a slice there, q and k after an in-place rope).
+            parts = self._randn(tokens, (hq + 2 * hkv) * d).split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = parts if layer % 2 else (p.contiguous() for p in parts)
             q0, k0, v0 = q.clone(), k.clone(), v.clone()
             out = self.backend.forward(q, k, v, layer, batch)
             want = self.reference.forward(q0.clone(), k0.clone(), v0.clone(), layer, ref_batch)
