@@ -188,6 +188,12 @@ class Req:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     step_seed: int = 0  # sampling step count, mixed into a per-request seed
+    matcher: Any = None  # the grammar matcher of a constrained request (xgrammar), None once finished
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains this request's next token."""
+        return self.matcher is not None
 
     @property
     def all_ids(self) -> list[int]:

@@ -57,7 +57,7 @@ class LLM:
                 tokenizer = load_tokenizer(self.engine.source)
             eos = eos_token_ids(self.engine.hf_config, tokenizer, self.engine.source)
             detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
-            self.scheduler = Scheduler(self.engine, eos_token_ids=eos, detokenize=detok)
+            self.scheduler = Scheduler(self.engine, eos_token_ids=eos, detokenize=detok, tokenizer=tokenizer)
         self.tokenizer = tokenizer
         self.eos_token_ids = self.scheduler.eos_token_ids
         self._closed = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_w
 from ..moe import BaseMoEBackend
 from ..plugins import PluginRegistry, load_plugins
 from .graph import CudaGraphRunner
-from .sampling import Sampler
+from .sampling import LogitsMask, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -264,11 +265,19 @@ class Engine:
         return StepInputs.build(batch, new_entries, self.device)
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, inputs: StepInputs) -> PendingStep:
+    def launch(
+        self,
+        batch: Batch,
+        inputs: StepInputs,
+        before_sample: Callable[[], LogitsMask | None] | None = None,
+    ) -> PendingStep:
         """Enqueue ``batch`` on the device; sampled tokens arrive in the returned handle.
 
         On CUDA nothing here waits for the device: the next batch can be
-        prepared while this one runs.
+        prepared while this one runs. ``before_sample`` is called once the
+        forward (graph or eager) is enqueued and before sampling; it returns the
+        grammar mask of the rows that sample (the scheduler may first wait for
+        the previous step's tokens there, while this forward runs).
         """
         inputs.apply(batch, self.page_table, self.last_token)
         reqs = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
@@ -281,7 +290,8 @@ class Engine:
             if not reqs:
                 return PendingStep(torch.empty(0, dtype=torch.int64), [], None)
             logits = self.model.compute_logits(hidden if inputs.sample_idx is None else hidden[inputs.sample_idx])
-        result = self.sampler.sample(logits, reqs)
+        mask = before_sample() if before_sample is not None else None
+        result = self.sampler.sample(logits, reqs, mask)
         rows = inputs.rows if inputs.sample_idx is None else inputs.rows[inputs.sample_idx]
         self.last_token[rows] = result.tokens
         if self.device.type == "cpu":

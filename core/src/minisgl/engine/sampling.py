@@ -1,9 +1,11 @@
-"""Token sampling on the device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+"""Token sampling on the device: logit bias, grammar masks, penalties, temperature, top-k/top-p/min-p,
+seeds, logprobs."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,6 +20,12 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class LogitsMask(Protocol):
+    """Disallowed tokens of some rows (a grammar's, :class:`~minisgl.engine.grammar.TokenMask`)."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -42,9 +50,18 @@ class Sampler:
         self.kernels = kernels or select_kernels(device, torch.float32)  # logits are sampled in float32
         self._seeds = random.Random(seed)  # seeds of the one-pass sampler, drawn on the host
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, reqs: list[Req], mask: LogitsMask | None = None) -> SampleResult:
+        """One token per row. ``mask``: the grammar mask of the constrained rows, applied (with each
+        row's ``logit_bias``) before everything else, logprobs included."""
+        biased = any(r.params.logit_bias for r in reqs)
+        if mask is not None or biased:
+            logits = logits.float()  # in place when already float32: the logits are this step's alone
+            if biased:
+                self._apply_bias(logits, reqs)
+            if mask is not None:
+                mask.apply(logits)
         fused = self.kernels.gumbel_sample  # plain temperature/greedy rows in one pass (Triton)
-        if fused is not None and all(_plain(r.params) for r in reqs):
+        if fused is not None and mask is None and not biased and all(_plain(r.params) for r in reqs):
             inv = [0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs]
             tokens = fused(logits, to_device(inv, torch.float32, logits.device), self._seeds.randrange(1 << 31))
             for r in reqs:
@@ -112,6 +129,20 @@ class Sampler:
         remove[:, 0] = False
         filtered = sorted_logits.masked_fill(remove, float("-inf"))
         return torch.empty_like(scaled).scatter_(1, order, filtered)
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, reqs: list[Req]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(reqs):
+            for t, b in (r.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(t)
+                vals.append(b)
+        dev = logits.device
+        index = (to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev))
+        logits.index_put_(index, to_device(vals, torch.float32, dev), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         vocab = logits.shape[1]

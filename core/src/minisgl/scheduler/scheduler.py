@@ -20,18 +20,33 @@ stops on EOS or a stop condition in N may compute one more token in N+1,
 which is discarded. Requests whose sampling needs their full output history
 on the host (penalties, logprobs) switch the scheduler to lock-step while
 they run.
+
+Structured output (``SamplingParams.grammar``): the grammar is compiled when the
+request is added (a bad one is refused there, before it holds anything) and the
+request gets a matcher. Each step the scheduler fills the bitmask of the batch's
+constrained rows on the host; the engine's sampler applies it to the logits. The
+mask of step N+1 needs step N's token, so with overlap on, when both the batch
+in flight and the next one have constrained rows, the next batch's forward is
+enqueued first and the batch in flight is read (one host sync) before the mask
+is filled and the next batch sampled: the forward of N+1 still overlaps the
+host's work on N. Batches without constrained rows keep the full overlap.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError
 from ..engine import Engine, PendingStep, StepInputs
+from ..engine.grammar import GrammarBackend, TokenMask, error_field
 from ..kvcache import KVCacheManager
+
+logger = logging.getLogger(__name__)
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -47,9 +62,20 @@ class TokenEvent:
 
 
 class Scheduler:
-    """Drives an :class:`Engine`: admission, batching, finishing and abort."""
+    """Drives an :class:`Engine`: admission, batching, finishing and abort.
 
-    def __init__(self, engine: Engine, *, eos_token_ids: Sequence[int] = (), detokenize: Detokenize | None = None):
+    ``tokenizer`` (a Hugging Face tokenizer) is needed for structured output only: without
+    one, a request with a grammar is refused.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        detokenize: Detokenize | None = None,
+        tokenizer: Any = None,
+    ):
         self.engine = engine
         self.config = cfg = engine.config
         cache = engine.prefix_cache_spec.build(page_size=cfg.page_size, device=engine.device)
@@ -66,6 +92,15 @@ class Scheduler:
         self.overlap = cfg.overlap_schedule
         self._inflight: tuple[Batch, PendingStep] | None = None
         self._lockstep_reqs = 0  # live requests whose sampling reads host-side history
+        self.grammar: GrammarBackend | None = None
+        if tokenizer is not None:
+            self.grammar = GrammarBackend(
+                tokenizer,
+                self.vocab_size,
+                self.eos_token_ids,
+                max_rows=cfg.max_running_requests,
+                device=engine.device,
+            )
 
     # -------------------------------------------------------------- requests
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
@@ -105,6 +140,14 @@ class Scheduler:
             )
         if req.rid in self._by_rid:
             raise ValidationError("rid", f"request id {req.rid} is already in use")
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValidationError("logit_bias", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.grammar is not None:
+            kind, text = params.grammar
+            if self.grammar is None:
+                raise ValidationError(error_field(kind), "structured output needs a tokenizer; this engine has none")
+            req.matcher = self.grammar.matcher(self.grammar.compile(kind, text))
         self._by_rid[req.rid] = req
         self.waiting.append(req)
         if _needs_lockstep(req):
@@ -144,28 +187,57 @@ class Scheduler:
         call's batch is then in flight); otherwise it is this call's batch.
         """
         if not self.overlap or self._lockstep_reqs > 0:
-            events = self._drain()
-            batch = self._schedule()
-            if batch is None:
-                return events
-            pending = self._launch(batch)
-            result = pending.result()
-            return events + self._process(batch, result.tokens, result.logprobs)
-        batch = self._schedule()
-        launched = (batch, self._launch(batch)) if batch is not None else None
+            return self._step_lockstep()
+        return self._step_overlap()
+
+    def _step_lockstep(self) -> list[TokenEvent]:
         events = self._drain()
-        self._inflight = launched
+        batch = self._schedule()
+        if batch is None:
+            return events
+        pending = self._launch(batch, lambda: self._mask(batch))
+        result = pending.result()
+        return events + self._process(batch, result.tokens, result.logprobs)
+
+    def _step_overlap(self) -> list[TokenEvent]:
+        batch = self._schedule()
+        if batch is None:
+            return self._drain()
+        events: list[TokenEvent] = []
+        # The next mask needs the in-flight step's tokens (and its host buffer free again).
+        wait = self._inflight is not None and _constrained(self._inflight[0]) and _constrained(batch)
+
+        def before_sample() -> TokenMask | None:
+            # Called by the engine once this batch's forward is enqueued: reading the batch in
+            # flight here overlaps that host sync and the matchers' work with the forward.
+            if wait:
+                for req in batch.reqs:
+                    req.cached_len = req.device_len
+                events.extend(self._drain())
+            return self._mask(batch)
+
+        pending = self._launch(batch, before_sample)
+        events.extend(self._drain())
+        self._inflight = (batch, pending)
         return events
 
     def _schedule(self) -> Batch | None:
         return self._schedule_prefill() or self._schedule_decode()
 
-    def _launch(self, batch: Batch) -> PendingStep:
-        pending = self.engine.launch(batch, self._prepare(batch))
+    def _launch(self, batch: Batch, before_sample: Callable[[], TokenMask | None]) -> PendingStep:
+        pending = self.engine.launch(batch, self._prepare(batch), before_sample)
         # The KV of these positions is (or, on the device queue, will be) written.
         for req in batch.reqs:
             req.cached_len = req.device_len
         return pending
+
+    def _mask(self, batch: Batch) -> TokenMask | None:
+        """The grammar mask of the batch's sampling rows (None when none is constrained)."""
+        if self.grammar is None:
+            return None
+        sampling = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
+        rows = [(i, r.matcher) for i, r in enumerate(sampling) if r.matcher is not None]
+        return self.grammar.fill(rows, len(sampling))
 
     def _drain(self) -> list[TokenEvent]:
         """Process the batch in flight, if any."""
@@ -253,6 +325,10 @@ class Scheduler:
             if req.is_finished:  # aborted while the batch ran
                 continue
             req.output_ids.append(token)
+            if req.matcher is not None and not req.matcher.accept_token(token):
+                # Cannot happen with the mask applied; end the request rather than break the grammar.
+                logger.warning("request %s: the grammar rejected sampled token %d; finishing it", req.rid, token)
+                req.matcher = None
             if lp is not None:
                 req.logprobs.append(lp)
             self.stats["generated_tokens"] += 1
@@ -267,6 +343,8 @@ class Scheduler:
     def _finish_reason(self, req: Req, token: int) -> str | None:
         if token in req.eos_token_ids or token in req.params.stop_ids:
             return "stop"
+        if req.params.grammar is not None and (req.matcher is None or req.matcher.is_terminated()):
+            return "stop"  # the grammar is complete (or was broken)
         if req.params.stop_strings and self.detokenize is not None and self._hits_stop_string(req):
             return "stop"
         if len(req.output_ids) >= req.max_new_tokens:
@@ -283,6 +361,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         if _needs_lockstep(req):
             self._lockstep_reqs -= 1
+        req.matcher = None
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         self.stats["prompt_tokens"] += req.prompt_len
@@ -307,6 +386,11 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _constrained(batch: Batch) -> bool:
+    """Whether a grammar constrains a token ``batch`` samples."""
+    return any(r.matcher is not None for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s)
 
 
 def _needs_lockstep(req: Req) -> bool:

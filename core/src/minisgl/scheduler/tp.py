@@ -124,8 +124,12 @@ def build_rank(
     logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, topo.tp, params / 2**20, cfg.device)
     eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
     if rank == 0:
-        return ReplicatedScheduler(engine, control=group.control, eos_token_ids=eos, detokenize=detok), group, tokenizer
-    return Scheduler(engine, eos_token_ids=eos, detokenize=detok), group, tokenizer
+        sched = ReplicatedScheduler(
+            engine, control=group.control, eos_token_ids=eos, detokenize=detok, tokenizer=tokenizer
+        )
+        return sched, group, tokenizer
+    # Every rank masks its own (identical) logits, so every rank compiles the grammars too.
+    return Scheduler(engine, eos_token_ids=eos, detokenize=detok, tokenizer=tokenizer), group, tokenizer
 
 
 def follower_main(config_fields: dict[str, Any], rank: int, local_rank: int, topo_fields: dict[str, Any]) -> None:

@@ -122,7 +122,7 @@ def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
     engine = Engine(config)
     tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
     eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
-    return Scheduler(engine, eos_token_ids=eos), None
+    return Scheduler(engine, eos_token_ids=eos, tokenizer=tokenizer), None  # the tokenizer compiles grammars
 
 
 def _stop_ranks(sched: Any, ranks: Any) -> None:
