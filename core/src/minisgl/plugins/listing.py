@@ -8,6 +8,7 @@ Exit status 1: an engine would refuse to start (a clash, or a skipped plugin und
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -47,7 +48,10 @@ def to_json(
                 reason = missing.get(kind, {}).get(spec.name)
                 row |= {"supported": reason is None, "unsupported_reason": reason or ""}
             components[kind].append(row)
-    listing: dict[str, Any] = {"core_version": core_version(), "plugins": [p.to_json() for p in registry.plugins]}
+    listing: dict[str, Any] = {
+        "core_version": core_version(),
+        "plugins": [dataclasses.asdict(p) for p in registry.plugins],
+    }
     listing |= {"components": components, "conflicts": list(registry.conflicts), "warnings": list(warning_messages)}
     return listing | ({"device": device} if device else {})
 

@@ -1,8 +1,8 @@
-"""Plugin loading: pluggy finds and imports the entry points, calls the hooks, and orders the result.
+"""Plugin loading: pluggy imports the entry points and calls the hooks; the result is ordered by its call order.
 
-:func:`load_plugins` lists the ``minisgl`` entry points, filters them (allow/block lists, the
-core version a plugin requires), has pluggy load each one that passes, calls each plugin's hooks
-and returns a :class:`~minisgl.plugins.registry.PluginRegistry`. There is no module-level state.
+:func:`load_plugins` lists the ``minisgl`` entry points, filters them (allow/block lists, the core
+version a plugin requires), has pluggy load each one that passes, calls each plugin's hooks and
+returns a :class:`~minisgl.plugins.registry.PluginRegistry`. There is no module-level state.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import pluggy
 from ..utils import VERSION
 from . import hookspecs
 from .registry import PluginInfo, PluginRegistry
-from .specs import ComponentSpec, Kind, PluginError, PluginWarning
+from .specs import ComponentSpec, PluginError, PluginWarning
 
 ENTRY_POINT_GROUP = "minisgl"
 BUILTIN = "builtin"
 ENV_ALLOW, ENV_BLOCK, ENV_STRICT = "MINISGL_PLUGINS", "MINISGL_DISABLE_PLUGINS", "MINISGL_STRICT_PLUGINS"
-SPEC_TYPES: dict[Kind, type[ComponentSpec]] = {t.kind: t for t in ComponentSpec.__subclasses__()}
+SPEC_TYPES = {t.kind: t for t in ComponentSpec.__subclasses__()}
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,6 @@ class PluginSource:
     dist: md.Distribution | None = None
     requires: tuple[str, ...] = ()
 
-    @property
-    def module_name(self) -> str:
-        return self.module if isinstance(self.module, str) else str(getattr(self.module, "__name__", self.module))
-
 
 def core_version() -> str:
     return VERSION
@@ -52,14 +48,12 @@ def core_version() -> str:
 
 def discover() -> list[PluginSource]:
     """Every installed entry point of the group, built-ins first, then by entry name."""
-    found = {}
+    # The built-ins' fallback serves a source tree without installed metadata.
+    found = {(BUILTIN, "minisgl"): PluginSource(BUILTIN, "minisgl.plugins.builtin", "minisgl", VERSION)}
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):  # one distribution reachable twice counts once
-        dist_name = ep.dist.metadata["Name"] if ep.dist else ""
-        found[ep.name, dist_name] = PluginSource(
-            ep.name, ep.value, dist_name, ep.dist.version if ep.dist else "", ep.dist
-        )
-    if (BUILTIN, "minisgl") not in found:  # a source tree without installed metadata
-        found[BUILTIN, "minisgl"] = PluginSource(BUILTIN, "minisgl.plugins.builtin", "minisgl", VERSION)
+        if dist := ep.dist:
+            requires = tuple(dist.requires or ())
+            found[ep.name, dist.name] = PluginSource(ep.name, ep.value, dist.name, dist.version, dist, requires)
     return sorted(found.values(), key=lambda s: (s.name != BUILTIN, s.name, s.distribution))
 
 
@@ -67,12 +61,8 @@ def check_compatible(requirements: Iterable[str], version: str) -> str:
     """Why a plugin requiring ``requirements`` cannot run on core ``version`` ('' if it can)."""
     try:
         from packaging.requirements import InvalidRequirement, Requirement
-        from packaging.version import InvalidVersion, Version
+        from packaging.version import Version
     except ImportError:  # packaging comes with pip; without it, trust the installer
-        return ""
-    try:
-        running = Version(version)
-    except InvalidVersion:
         return ""
     for raw in requirements:
         try:
@@ -81,7 +71,7 @@ def check_compatible(requirements: Iterable[str], version: str) -> str:
             continue
         if req.name.lower().replace("_", "-") != "minisgl" or (req.marker and not req.marker.evaluate({"extra": ""})):
             continue
-        if req.specifier and not req.specifier.contains(running, prereleases=True):
+        if not req.specifier.contains(Version(version), prereleases=True):
             return f"requires minisgl{req.specifier}, but minisgl {version} is installed"
     return ""
 
@@ -109,8 +99,8 @@ def load_plugins(
     allow, block = _names(env.get(ENV_ALLOW)), _names(env.get(ENV_BLOCK)) or []
     sources = (discover() if discover_installed else []) + list(extra)
     known = sorted({s.name for s in sources})
-    lists = [("the plugin list", list(only))] if only is not None else [(ENV_ALLOW, allow or []), (ENV_BLOCK, block)]
-    for label, unknown in ((label, n) for label, names in lists for n in names if n not in known):
+    lists = {"the plugin list": list(only)} if only is not None else {ENV_ALLOW: allow or [], ENV_BLOCK: block}
+    for label, unknown in ((label, n) for label, names in lists.items() for n in names if n not in known):
         close = difflib.get_close_matches(unknown, known, n=1)
         warnings.warn(
             f"{label} names unknown plugin '{unknown}'{f' (did you mean {close[0]!r}?)' if close else ''}; "
@@ -120,9 +110,10 @@ def load_plugins(
         )
     pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
     pm.add_hookspecs(hookspecs)
-    registry, owners = PluginRegistry(), dict[str, PluginInfo]()
+    registry, owners, found = PluginRegistry(), dict[str, PluginInfo](), []
     for src in sources:
-        info = PluginInfo(src.name, src.distribution, src.version, src.module_name, "active")
+        module = src.module if isinstance(src.module, str) else str(getattr(src.module, "__name__", src.module))
+        info = PluginInfo(src.name, src.distribution, src.version, module)
         registry.plugins.append(info)
         if only is not None:
             off = "" if src.name in only else "not in the plugin list this process was given"
@@ -138,7 +129,7 @@ def load_plugins(
                 f"two installed distributions register the plugin entry name '{src.name}': {first.who} and "
                 f"{info.who}; uninstall one of them"
             )
-        elif why := check_compatible(src.dist.requires or [] if src.dist else src.requires, VERSION):
+        elif why := check_compatible(src.requires, VERSION):
             info.status = "incompatible"
             info.error = (
                 f"{why}: install a release of {src.distribution or 'it'} made for minisgl {VERSION}, "
@@ -146,74 +137,58 @@ def load_plugins(
             )
             _report(f"{info.who} is incompatible: {info.error}", strict)
         else:
-            _register(pm, src, info, strict)
-    for plugin, dist in pm.list_plugin_distinfo():  # what pluggy actually loaded for each entry point
-        info = next(p for p in registry.plugins if p.name == pm.get_name(plugin) and p.status == "active")
-        info.distribution, info.version = dist.project_name, dist.version
-    _collect(pm, registry, strict)
+            found += _load(pm, src, info, strict)
+    for info, hook, specs in found:  # ranked by where pluggy calls each plugin: tryfirst first, trylast last
+        order = [impl.plugin_name for impl in reversed(getattr(pm.hook, hook).get_hookimpls())]
+        for i, spec in enumerate(specs):
+            registry.add(spec, info, (order.index(info.name), i))
     if registry.conflicts and raise_conflicts:
         raise PluginError("conflicting plugins:\n  " + "\n  ".join(registry.conflicts))
     return registry
 
 
-def _register(pm: pluggy.PluginManager, src: PluginSource, info: PluginInfo, strict: bool) -> None:
-    """Import the plugin (pluggy's entry-point loading for installed ones) and register its hooks."""
+def _load(
+    pm: pluggy.PluginManager, src: PluginSource, info: PluginInfo, strict: bool
+) -> list[tuple[PluginInfo, str, list[ComponentSpec]]]:
+    """Import the plugin (through pluggy's entry-point loading when installed), register it and call
+    its hooks, one plugin at a time so that every spec is attributed to it and a failure drops it alone."""
+    stage, found = f" failed to import '{info.module}'", []
     try:
         if src.dist is None:
             plugin = importlib.import_module(src.module) if isinstance(src.module, str) else src.module
         elif not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):
             raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
-    except Exception as exc:
-        info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
-        return _report(f"{info.who} failed to import '{info.module}': {info.error}", strict)
-    try:
+        stage = " is not a valid minisgl plugin"
         if src.dist is None:
             pm.register(plugin, name=src.name)
-        for caller in pm.get_hookcallers(pm.get_plugin(src.name)) or []:
+        plugin = pm.get_plugin(src.name)
+        for loaded, dist in pm.list_plugin_distinfo():  # pluggy's word on the distribution it loaded
+            if loaded is plugin:
+                info.distribution, info.version = dist.project_name, dist.version
+        for caller in pm.get_hookcallers(plugin) or []:
             if caller.spec is None:  # a misspelled hook would otherwise be ignored silently
                 close = difflib.get_close_matches(caller.name, hookspecs.HOOKS.values(), n=1)
                 raise PluginError(
                     f"@hookimpl function '{caller.name}' is not a minisgl hook (known: "
                     f"{', '.join(hookspecs.HOOKS.values())}){f'; did you mean {close[0]!r}?' if close else ''}"
                 )
+        stage, others = ": a hook failed", [p for p in pm.get_plugins() if p is not plugin]
+        for kind, hook in hookspecs.HOOKS.items():
+            expected = SPEC_TYPES[kind].__name__
+            for result in pm.subset_hook_caller(hook, others)():
+                if isinstance(result, ComponentSpec) or not isinstance(result, Iterable):
+                    raise TypeError(f"{hook}() must return an iterable of {expected}, got {type(result).__name__}")
+                specs = list(result)
+                if wrong := [s for s in specs if not isinstance(s, SPEC_TYPES[kind])]:
+                    raise TypeError(f"{hook}() returned a {type(wrong[0]).__name__}, expected {expected}")
+                found.append((info, hook, specs))
     except Exception as exc:
         if pm.has_plugin(src.name):
             pm.unregister(name=src.name)
         info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
-        _report(f"{info.who} is not a valid minisgl plugin: {info.error}", strict)
-
-
-def _collect(pm: pluggy.PluginManager, registry: PluginRegistry, strict: bool) -> None:
-    """Call each plugin's hooks through pluggy (one plugin at a time, so that every spec is attributed
-    to its plugin) and rank each spec by where pluggy calls its plugin: tryfirst first, trylast last."""
-    found: list[tuple[PluginInfo, ComponentSpec, tuple[int, int]]] = []
-    for info in [p for p in registry.plugins if p.status == "active"]:
-        plugin, specs = pm.get_plugin(info.name), []
-        others = [p for p in pm.get_plugins() if p is not plugin]
-        try:
-            for kind, hook in hookspecs.HOOKS.items():
-                order = [impl.plugin for impl in reversed(getattr(pm.hook, hook).get_hookimpls())]
-                for result in pm.subset_hook_caller(hook, others)():
-                    specs += [(info, s, (order.index(plugin), i)) for i, s in enumerate(_check(kind, hook, result))]
-        except Exception as exc:
-            pm.unregister(plugin)
-            info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
-            _report(f"{info.who}: a hook failed: {info.error}", strict)
-            continue
-        found += specs
-    for info, spec, rank in found:
-        registry.add(spec, info, rank)
-
-
-def _check(kind: Kind, hook: str, result: object) -> list[ComponentSpec]:
-    expected = SPEC_TYPES[kind].__name__
-    if isinstance(result, ComponentSpec) or not isinstance(result, Iterable):
-        raise TypeError(f"{hook}() must return an iterable of {expected}, got {type(result).__name__}")
-    specs = list(result)
-    for spec in specs:
-        if not isinstance(spec, SPEC_TYPES[kind]):
-            raise TypeError(f"{hook}() returned a {type(spec).__name__}, expected {expected}")
-    return specs
+        _report(f"{info.who}{stage}: {info.error}", strict)
+        return []
+    return found
 
 
 def _names(value: str | None) -> list[str] | None:

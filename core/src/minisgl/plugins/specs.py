@@ -11,8 +11,8 @@ import importlib
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +53,11 @@ def resolve(ref: Callable[..., Any] | str) -> Any:
     """Import a lazy ``"pkg.mod:attr"`` reference (a callable is returned unchanged)."""
     if not isinstance(ref, str):
         return ref
-    if not _LAZY_REF.match(ref):
-        raise ValueError(f"lazy reference {ref!r} must look like 'package.module:attribute'")
     module_name, _, attr = ref.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _check_ref(owner: str, field_name: str, value: object) -> None:
-    expected = "a callable or a 'package.module:attribute' string"
-    if isinstance(value, str) and not _LAZY_REF.match(value):
-        raise ValueError(f"{owner}.{field_name} must be {expected}, got {value!r}")
-    if not isinstance(value, str) and not callable(value):
-        raise TypeError(f"{owner}.{field_name} must be {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +71,7 @@ class ComponentSpec:
     ``description`` one line for ``minisgl plugins``.
     """
 
+    kind: ClassVar[Kind]
     name: str
     factory: Callable[..., Any] | str
     aliases: tuple[str, ...] = ()
@@ -88,7 +79,6 @@ class ComponentSpec:
     is_supported: Callable[[str], bool] | str | None = None
     override: bool = False
     description: str = ""
-    kind: Kind = field(default="attention", init=False)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -105,9 +95,12 @@ class ComponentSpec:
             raise ValueError(f"{owner} '{self.name}' lists its own name among its aliases")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"{owner}.priority must be an int, got {self.priority!r}")
-        _check_ref(owner, "factory", self.factory)
-        if self.is_supported is not None:
-            _check_ref(owner, "is_supported", self.is_supported)
+        for attr in ("factory", "is_supported") if self.is_supported is not None else ("factory",):
+            ref = getattr(self, attr)
+            if not (_LAZY_REF.match(ref) if isinstance(ref, str) else callable(ref)):
+                raise (ValueError if isinstance(ref, str) else TypeError)(
+                    f"{owner}.{attr} must be a callable or a 'package.module:attribute' string, got {ref!r}"
+                )
 
     @property
     def label(self) -> str:
@@ -150,36 +143,31 @@ class ComponentSpec:
             return f"its is_supported check failed ({why})"
 
 
-@dataclass(frozen=True)
 class ModelSpec(ComponentSpec):
     """``name``: the Hugging Face architecture; built as ``factory(ctx: ModelContext)`` -> ``CausalLM``."""
 
-    kind: Kind = field(default="model", init=False)
+    kind = "model"
 
 
-@dataclass(frozen=True)
 class AttentionBackendSpec(ComponentSpec):
     """Built as ``factory(ctx: AttentionContext)`` -> ``BaseAttnBackend`` (``--attn NAME``)."""
 
-    kind: Kind = field(default="attention", init=False)
+    kind = "attention"
 
 
-@dataclass(frozen=True)
 class KVPoolSpec(ComponentSpec):
     """Built as ``factory(layout: KVLayout)`` -> ``BaseKVPool`` (``--kv-pool NAME``)."""
 
-    kind: Kind = field(default="kv_pool", init=False)
+    kind = "kv_pool"
 
 
-@dataclass(frozen=True)
 class PrefixCacheSpec(ComponentSpec):
     """Built as ``factory(page_size=int, device=torch.device)`` -> ``BasePrefixCache`` (``--cache NAME``)."""
 
-    kind: Kind = field(default="prefix_cache", init=False)
+    kind = "prefix_cache"
 
 
-@dataclass(frozen=True)
 class MoEBackendSpec(ComponentSpec):
     """Built as ``factory()`` -> ``BaseMoEBackend`` (``--moe-backend NAME``)."""
 
-    kind: Kind = field(default="moe", init=False)
+    kind = "moe"
