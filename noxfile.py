@@ -39,8 +39,9 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """The core with its built-in plugin only."""
+    """The core with its built-in plugin only (and its `structured` extra, so test_structured runs)."""
     _install_base(session)
+    session.install("xgrammar>=0.2.9")
     _pytest(session, "core/tests")
 
 
