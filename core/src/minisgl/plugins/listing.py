@@ -21,57 +21,42 @@ from .registry import PluginRegistry
 from .specs import KINDS
 
 
-def unsupported(registry: PluginRegistry, device: str) -> dict[str, dict[str, str]]:
-    """Per kind, the components that cannot run on ``device`` and why (``""``: no reason given)."""
-    found: dict[str, dict[str, str]] = {}
-    for kind in KINDS:
-        for spec in registry.specs(kind):
-            if (reason := spec.unsupported_reason(device)) is not None:
-                found.setdefault(kind, {})[spec.name] = reason
-    return found
-
-
 def to_json(
     registry: PluginRegistry, warning_messages: Sequence[str] = (), device: str | None = None
 ) -> dict[str, Any]:
     """The listing as plain data; with ``device``, each component row says whether it runs there and why not."""
-    missing = unsupported(registry, device) if device else {}
-    components: dict[str, list[dict[str, Any]]] = {}
+    components: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     for kind in KINDS:
-        components[kind] = []
         for spec in registry.specs(kind):
             plugin = registry.provider(kind, spec.name)
             row = {"name": spec.name, "aliases": list(spec.aliases), "priority": spec.priority}
             row |= {"override": spec.override, "description": spec.description, "factory": spec.factory_ref}
             row |= {"plugin": plugin.name, "distribution": plugin.distribution}
             if device:
-                reason = missing.get(kind, {}).get(spec.name)
+                reason = spec.unsupported_reason(device)
                 row |= {"supported": reason is None, "unsupported_reason": reason or ""}
             components[kind].append(row)
-    listing: dict[str, Any] = {
-        "core_version": core_version(),
-        "plugins": [dataclasses.asdict(p) for p in registry.plugins],
-    }
-    listing |= {"components": components, "conflicts": list(registry.conflicts), "warnings": list(warning_messages)}
+    plugins = [dataclasses.asdict(p) for p in registry.plugins]
+    listing = {"core_version": core_version(), "plugins": plugins, "components": components}
+    listing |= {"conflicts": list(registry.conflicts), "warnings": list(warning_messages)}
     return listing | ({"device": device} if device else {})
 
 
 def render_table(registry: PluginRegistry, device: str | None = None) -> str:
     """One row per plugin, one line per kind it provides (with ``device``, one more per component
     that cannot run there, with the reason), then what it lost to overrides and its error."""
-    missing = unsupported(registry, device) if device else {}
     rows = []
     for p in registry.plugins:
-        detail = []
+        detail, unsupported = [], []
         for kind, names in p.provides.items():
-            shown = [(n, registry.get(kind, n).aliases) for n in names]  # type: ignore[arg-type]
-            shown_text = [f"{n} (alias{'es' if len(a) > 1 else ''} {', '.join(a)})" if a else n for n, a in shown]
-            detail.append(f"{kind}: {', '.join(shown_text)}")
-        for kind, names in p.provides.items():
-            for n in (n for n in names if n in missing.get(kind, {})):
-                detail.append(
-                    f"{kind} {n}: unsupported on {device}" + (f": {missing[kind][n]}" if missing[kind][n] else "")
-                )
+            shown = []
+            for spec in [registry.get(kind, n) for n in names]:
+                a = spec.aliases
+                shown.append(f"{spec.name} (alias{'es' if len(a) > 1 else ''} {', '.join(a)})" if a else spec.name)
+                if device and (why := spec.unsupported_reason(device)) is not None:
+                    unsupported.append(f"{kind} {spec.name}: unsupported on {device}" + (f": {why}" if why else ""))
+            detail.append(f"{kind}: {', '.join(shown)}")
+        detail += unsupported
         detail += [f"{kind}: {', '.join(names)} (overridden)" for kind, names in p.overridden.items()]
         detail += [p.error] if p.error else []
         rows.append((p.distribution or "-", p.version or "-", p.name, p.status, detail or ["-"]))

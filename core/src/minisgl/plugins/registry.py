@@ -27,8 +27,8 @@ class PluginInfo:
     module: str
     status: Status = "active"
     error: str = ""
-    provides: dict[str, list[str]] = field(default_factory=dict)
-    overridden: dict[str, list[str]] = field(default_factory=dict)
+    provides: dict[Kind, list[str]] = field(default_factory=dict)
+    overridden: dict[Kind, list[str]] = field(default_factory=dict)
 
     @property
     def who(self) -> str:
