@@ -52,3 +52,84 @@ def test_few_rows_give_row_major_output_from_any_input_layout() -> None:
     got = linear(x, w)
     assert got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+# Fused checkpoint tensors (Phi-3 stores qkv_proj and gate_up_proj already fused).
+
+
+def test_whole_fused_tensors_load_like_their_parts() -> None:
+    from minisgl.distributed import TPInfo
+    from minisgl.layers import ColumnParallelLinear, QKVParallelLinear
+
+    gen = torch.Generator().manual_seed(4)
+    for tp in (TPInfo(), TPInfo(rank=1, size=2)):
+        gate, up = torch.randn(24, 16, generator=gen), torch.randn(24, 16, generator=gen)
+        a, b = ColumnParallelLinear(16, [24, 24], tp=tp), ColumnParallelLinear(16, [24, 24], tp=tp)
+        a.weight.weight_loader(a.weight, gate, 0)
+        a.weight.weight_loader(a.weight, up, 1)
+        b.weight.weight_loader(b.weight, torch.cat([gate, up]))
+        assert torch.equal(a.weight, b.weight)
+
+        q, k, v = (torch.randn(n * 8, 16, generator=gen) for n in (4, 2, 2))
+        bias = torch.randn(64, generator=gen)
+        c, d = QKVParallelLinear(16, 8, 4, 2, True, tp=tp), QKVParallelLinear(16, 8, 4, 2, True, tp=tp)
+        for sid, part, bpart in zip("qkv", (q, k, v), bias.split([32, 16, 16]), strict=True):
+            c.weight.weight_loader(c.weight, part, sid)
+            assert c.bias is not None
+            c.bias.weight_loader(c.bias, bpart, sid)
+        d.weight.weight_loader(d.weight, torch.cat([q, k, v]))
+        assert d.bias is not None
+        d.bias.weight_loader(d.bias, bias)
+        assert torch.equal(c.weight, d.weight) and torch.equal(c.bias, d.bias)
+
+
+def test_wrong_sized_fused_tensor_says_what_to_do() -> None:
+    from minisgl.layers import ColumnParallelLinear, QKVParallelLinear
+
+    mlp = ColumnParallelLinear(16, [24, 24])
+    with pytest.raises(
+        ValueError, match=r"blocks \[24, 24\] got a tensor of shape \(40, 16\) and no shard_id.*stacked_params"
+    ):
+        mlp.weight.weight_loader(mlp.weight, torch.zeros(40, 16))
+    qkv = QKVParallelLinear(16, 8, 4, 2)
+    with pytest.raises(ValueError, match=r"q 32, k 16, v 16 rows\) got a tensor of shape \(32, 16\).*shard_id 'q'"):
+        qkv.weight.weight_loader(qkv.weight, torch.zeros(32, 16))
+
+
+def test_load_weights_error_names_checkpoint_tensor_and_parameter() -> None:
+    """A tensor that does not fit names the checkpoint tensor, the parameter, and what to do."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from minisgl.layers import GatedMLP
+    from minisgl.models import CausalLM, ModelContext
+
+    class Tiny(CausalLM):
+        def make_layer(self, layer_id: int) -> nn.Module:
+            kw = {"tp": self.ctx.tp, "comm": self.ctx.comm, "dtype": torch.float32, "device": torch.device("cpu")}
+            return nn.ModuleDict({"mlp": GatedMLP(16, 24, "silu", **kw)})
+
+    cfg = SimpleNamespace(
+        architectures=["Tiny"],
+        vocab_size=32,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+    )
+    model = Tiny(ModelContext(cfg, torch.float32, torch.device("cpu")))
+    bad = ("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(40, 16))
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint tensor 'model.layers.0.mlp.gate_up_proj.weight' \(40, 16\) does not load into parameter "
+        r"'model.layers.0.mlp.gate_up_proj.weight' \(48, 16\) of Tiny: .*whole fused tensor \(48 rows",
+    ):
+        model.load_weights([bad])
+    with pytest.raises(
+        KeyError,
+        match=r"'model.layers.0.mlp.gate_up.weight' has no matching parameter in Tiny "
+        r"\(closest: 'model.layers.0.mlp.gate_up_proj.weight'\)",
+    ):
+        model.load_weights([("model.layers.0.mlp.gate_up.weight", torch.zeros(48, 16))])

@@ -3,7 +3,10 @@
 Every parameter carries a ``weight_loader(param, tensor, shard_id=None)`` that
 copies this rank's slice of a full checkpoint tensor, so model files never deal
 with sharding. ``shard_id`` selects a part of a fused weight ("q"/"k"/"v" or
-the index of a merged column block).
+the index of a merged column block). A fused weight also loads from one
+checkpoint tensor that already holds every part, in order (``qkv_proj`` of
+``[q; k; v]``, ``gate_up_proj`` of ``[gate; up]``, as Phi-3 stores them), given
+with no ``shard_id``.
 """
 
 from __future__ import annotations
@@ -89,13 +92,27 @@ class ColumnParallelLinear(LinearBase):
         kernels=None,
     ):
         self.tp = tp
+        self.output_sizes = list(output_sizes)
         self.local_sizes = [tp.shard(s, "linear output size") for s in output_sizes]
         super().__init__(in_features, sum(self.local_sizes), bias, dtype, device, kernels)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        index = 0 if shard_id is None else int(shard_id)
         if shard_id is None and len(self.local_sizes) > 1:
-            raise ValueError("a merged column-parallel weight needs a shard_id for each block")
+            # One checkpoint tensor holding every block, in order: load each block as if given alone.
+            total = sum(self.output_sizes)
+            if loaded.shape[0] != total:
+                raise ValueError(
+                    f"a merged column-parallel weight of {len(self.output_sizes)} blocks {self.output_sizes} "
+                    f"got a tensor of shape {tuple(loaded.shape)} and no shard_id: give either the whole fused "
+                    f"tensor ({total} rows, blocks in order) or each block with its shard_id "
+                    f"0..{len(self.output_sizes) - 1} (the model's stacked_params map checkpoint names to shard ids)"
+                )
+            for index, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.load_weight(param, part, index)
+            return
+        index = 0 if shard_id is None else int(shard_id)
+        if not 0 <= index < len(self.local_sizes):
+            raise ValueError(f"shard_id {shard_id!r} is out of range: this weight has {len(self.local_sizes)} blocks")
         size = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
         part = loaded.narrow(0, self.tp.rank * size, size)
@@ -137,9 +154,24 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         q, kv = self.local_heads * head_dim, self.local_kv_heads * head_dim
         self.sizes = {"q": q, "k": kv, "v": kv}
+        self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         super().__init__(hidden_size, q + 2 * kv, bias, dtype, device, kernels)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        full = self.full_sizes
+        if shard_id is None:
+            # One checkpoint tensor holding q, k and v, in that order: load each part as if given alone.
+            total = sum(full.values())
+            if loaded.shape[0] != total:
+                raise ValueError(
+                    f"a fused QKV weight (q {full['q']}, k {full['k']}, v {full['v']} rows) got a tensor of shape "
+                    f"{tuple(loaded.shape)} and no shard_id: give either the whole fused tensor ({total} rows, "
+                    "q then k then v) or q, k and v separately with shard_id 'q', 'k', 'v' "
+                    "(the model's stacked_params map checkpoint names to shard ids)"
+                )
+            for sid, part in zip(full, loaded.split(list(full.values()), dim=0), strict=True):
+                self.load_weight(param, part, sid)
+            return
         if shard_id not in self.sizes:
             raise ValueError(f"QKV weight needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
         size = self.sizes[shard_id]

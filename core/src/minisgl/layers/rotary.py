@@ -1,4 +1,9 @@
-"""Rotary position embedding (the "rotate half" form used by Llama and Qwen)."""
+"""Rotary position embedding (the "rotate half" form used by Llama and Qwen).
+
+Partial rotary (``partial_rotary_factor`` < 1, as in Phi-3 and Phi-4-mini) rotates
+only the first ``int(head_dim * factor)`` dimensions of each head and passes the
+rest through, as transformers does.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,62 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernel import KernelSet, select_kernels
+from ..kernel import KernelSet, rms_norm, select_kernels
 from .norm import RMSNorm
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _model_name(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return str(archs[0] if archs else getattr(config, "model_type", None) or type(config).__name__)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
-    """Rope settings from a Hugging Face config, across config styles (old and new)."""
+    """Rope settings from a Hugging Face config, across config styles (old and new).
+
+    ``partial_rotary_factor`` is read from ``rope_parameters`` (transformers 5) or the
+    config root (older configs). A setting the core cannot honour raises ``ValueError``
+    naming the model and the setting, rather than loading a model that computes the
+    wrong thing.
+    """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params.setdefault("rope_type", params.pop("type", "default"))
+    if params.get("partial_rotary_factor") is None:
+        params["partial_rotary_factor"] = getattr(config, "partial_rotary_factor", None) or 1.0
+    model = _model_name(config)
+    kind = params["rope_type"] or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"{model}: unsupported rope scaling type '{kind}' (rope_parameters.rope_type); "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
+    head_dim = getattr(config, "head_dim", None)
+    if not head_dim and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    if head_dim:
+        rotary_dim(int(head_dim), params, model)  # validates the factor here, where the model has a name
     return params
+
+
+def rotary_dim(head_dim: int, params: dict[str, Any], model: str = "this model") -> int:
+    """How many leading dimensions of each head are rotated: ``int(head_dim * partial_rotary_factor)``."""
+    factor = params.get("partial_rotary_factor")
+    factor = 1.0 if factor is None else factor
+    try:
+        value = float(factor)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{model}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * value)
+    if dim < 2 or dim % 2:
+        raise ValueError(
+            f"{model}: partial_rotary_factor {factor} gives {dim} rotary dimensions of head_dim {head_dim}; "
+            "rotate-half rope needs an even number of at least 2"
+        )
+    return dim
 
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
@@ -43,14 +94,19 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table indexed by position, shared by every layer of a model."""
+    """Precomputed cos/sin table indexed by position, shared by every layer of a model.
+
+    With ``partial_rotary_factor`` < 1 in ``params`` only the first ``rotary_dim``
+    dimensions of each head are rotated; the others pass through unchanged.
+    """
 
     def __init__(
         self, head_dim: int, max_position: int, params: dict[str, Any], *, device=None, kernels: KernelSet | None = None
     ):
         super().__init__()
         self.head_dim = head_dim
-        inv = inverse_frequencies(head_dim, params).to(device)
+        self.rotary_dim = rotary_dim(head_dim, params)
+        inv = inverse_frequencies(self.rotary_dim, params).to(device)
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)
         self.cos_sin: torch.Tensor
@@ -67,4 +123,14 @@ class RotaryEmbedding(nn.Module):
         """``q``: ``[tokens, heads, head_dim]``, ``k``: ``[tokens, kv_heads, head_dim]``; with ``qk_norm``
         each head is first normalised by those RMSNorm layers. Returns new tensors."""
         norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-        return self.kernels.rope(positions, q, k, self.cos_sin, norms)
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return self.kernels.rope(positions, q, k, self.cos_sin, norms)
+        if norms is not None:  # over the whole head, before rope (as transformers does)
+            q, k = rms_norm(q, norms[0], norms[2]), rms_norm(k, norms[1], norms[2])
+        q_rot, k_rot = self.kernels.rope(
+            positions, q[..., :r].contiguous(), k[..., :r].contiguous(), self.cos_sin, None
+        )
+        return torch.cat([q_rot, q[..., r:].to(q_rot.dtype)], dim=-1), torch.cat(
+            [k_rot, k[..., r:].to(k_rot.dtype)], dim=-1
+        )

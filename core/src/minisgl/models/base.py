@@ -9,6 +9,7 @@ from :class:`DecoderLayer`, :class:`~minisgl.layers.AttentionBlock` and
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -60,7 +61,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-# Checkpoint names that are fused into one parameter here: (fused, original, shard id).
+# Checkpoint names that are fused into one parameter here: (fused, original, shard id). A checkpoint
+# that already stores the fused tensor (Phi-3's qkv_proj and gate_up_proj) needs no entry: its name is
+# the parameter's, and the parameter's loader splits it.
 STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
     (".qkv_proj.", ".q_proj.", "q"),
     (".qkv_proj.", ".k_proj.", "k"),
@@ -138,12 +141,28 @@ class CausalLM(nn.Module):
                 continue
             target, shard = self.map_weight_name(name)
             if target not in params:
-                raise KeyError(f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}")
+                close = difflib.get_close_matches(target, list(params), n=1, cutoff=0.8)
+                raise KeyError(
+                    f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}"
+                    + (f" (closest: '{close[0]}')" if close else "")
+                    + "; if the checkpoint names a fused weight differently, map it in the model's "
+                    "stacked_params or map_weight_name (docs/plugin-contracts.md, section Model)"
+                )
             param = params[target]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 raise KeyError(f"parameter '{target}' has no weight loader")
-            loader(param, tensor.to(param.dtype), shard) if shard is not None else loader(param, tensor.to(param.dtype))
+            try:
+                if shard is not None:
+                    loader(param, tensor.to(param.dtype), shard)
+                else:
+                    loader(param, tensor.to(param.dtype))
+            except (ValueError, RuntimeError) as exc:
+                via = f" as shard {shard!r}" if shard is not None else ""
+                raise ValueError(
+                    f"checkpoint tensor '{name}' {tuple(tensor.shape)} does not load into parameter "
+                    f"'{target}' {tuple(param.shape)}{via} of {type(self).__name__}: {exc}"
+                ) from exc
             loaded.add(target)
         expected = {n for n, _ in self.named_parameters()}
         if self.tie_word_embeddings:
