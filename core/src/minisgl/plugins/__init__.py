@@ -6,8 +6,8 @@ It imports only the standard library, pluggy and ``packaging``, so entry modules
 # ruff: noqa: F401, I001  (re-exports, grouped by module)
 from .devices import cuda_capabilities
 from .hookspecs import HOOKS, hookimpl, hookspec
-from .manager import BUILTIN, ENTRY_POINT_GROUP, PluginSource, check_compatible, core_version, load_plugins
-from .registry import PluginInfo, PluginRegistry
+from .registry import BUILTIN, ENTRY_POINT_GROUP, PluginInfo, PluginRegistry, PluginSource, check_compatible
+from .registry import core_version, load_plugins
 from .specs import KIND_LABELS, KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
 from .specs import Unsupported, resolve

@@ -16,8 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from .manager import ENV_ALLOW, ENV_BLOCK, ENV_STRICT, _flag, core_version, load_plugins
-from .registry import PluginRegistry
+from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRICT, PluginRegistry, _flag, core_version, load_plugins
 from .specs import KINDS
 
 

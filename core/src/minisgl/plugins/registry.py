@@ -1,19 +1,45 @@
-"""The registry built once at start-up from the active plugins' specs; it settles name clashes.
+"""Loading the plugins through pluggy into a :class:`PluginRegistry`, and reading it.
 
-It is plain data (per kind, name -> spec, the plugin that provided it, and its rank under ``auto``):
-engines read it, nothing on the per-step path touches pluggy.
+:func:`load_plugins` lists the ``minisgl`` entry points, filters them (allow/block lists, the core version
+a plugin requires), has pluggy load each one that passes and call its hooks, and settles name clashes.
+The registry is plain data: engines read it; nothing on the per-step path touches pluggy.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.metadata as md
+import os
+import types
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from .specs import KIND_LABELS, KINDS, ComponentSpec, Kind, PluginWarning, UnknownComponentError
+import pluggy
 
-Status = Literal["active", "disabled", "failed", "incompatible"]
+from ..utils import VERSION
+from . import hookspecs
+from .specs import KIND_LABELS, KINDS, ComponentSpec, Kind, PluginError, PluginWarning, UnknownComponentError
+
+ENTRY_POINT_GROUP = "minisgl"
+BUILTIN = "builtin"
+ENV_ALLOW, ENV_BLOCK, ENV_STRICT = "MINISGL_PLUGINS", "MINISGL_DISABLE_PLUGINS", "MINISGL_STRICT_PLUGINS"
+SPEC_TYPES = {t.kind: t for t in ComponentSpec.__subclasses__()}
+
+
+@dataclass(frozen=True)
+class PluginSource:
+    """A plugin to load: one per installed entry point (``dist`` set), or given through
+    ``load_plugins(extra=[...])`` (tests, embedding), where ``requires`` stands in for ``Requires-Dist``."""
+
+    name: str
+    module: str | types.ModuleType | object
+    distribution: str = ""
+    version: str = ""
+    dist: md.Distribution | None = None
+    requires: tuple[str, ...] = ()
 
 
 @dataclass
@@ -25,7 +51,7 @@ class PluginInfo:
     distribution: str
     version: str
     module: str
-    status: Status = "active"
+    status: Literal["active", "disabled", "failed", "incompatible"] = "active"
     error: str = ""
     provides: dict[Kind, list[str]] = field(default_factory=dict)
     overridden: dict[Kind, list[str]] = field(default_factory=dict)
@@ -54,14 +80,9 @@ class PluginRegistry:
     def add(self, spec: ComponentSpec, plugin: PluginInfo, rank: tuple[int, int] = (0, 0)) -> None:
         """Register ``spec``; a clash with another spec's name or alias is a conflict, unless exactly one
         of the two sets ``override=True``: that one wins, with a warning."""
-        kind, table, names, new = (
-            spec.kind,
-            self._table[spec.kind],
-            {spec.name, *spec.aliases},
-            Entry(spec, plugin, rank),
-        )
+        table, names, new = self._table[spec.kind], {spec.name, *spec.aliases}, Entry(spec, plugin, rank)
         for old in [e for e in table.values() if names & {e.spec.name, *e.spec.aliases}]:
-            what = f"{KIND_LABELS[kind]} '{sorted(names & {old.spec.name, *old.spec.aliases})[0]}'"
+            what = f"{KIND_LABELS[spec.kind]} '{min(names & {old.spec.name, *old.spec.aliases})}'"
             if old.plugin is plugin:
                 self.conflicts.append(f"{plugin.who} declares {what} twice; give each spec a distinct name and aliases")
                 return
@@ -69,46 +90,37 @@ class PluginRegistry:
                 both = "both set override=True" if spec.override else "neither sets override=True"
                 self.conflicts.append(
                     f"{what} is provided by both {old.plugin.who} and {plugin.who} ({both}); uninstall one, "
-                    f"disable one with MINISGL_DISABLE_PLUGINS={plugin.name}, or set override=True on exactly one "
-                    "of the two specs"
+                    f"disable one with {ENV_BLOCK}={plugin.name}, or set override=True on exactly one of the two specs"
                 )
                 return
             winner, loser = (new, old) if spec.override else (old, new)
             warnings.warn(
                 f"{what} from {winner.plugin.who} overrides the one from {loser.plugin.who}",
                 PluginWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
-            loser.plugin.overridden.setdefault(kind, []).append(loser.spec.name)
+            loser.plugin.overridden.setdefault(spec.kind, []).append(loser.spec.name)
             if loser is new:
                 return
             del table[old.spec.name]
-            old.plugin.provides[kind].remove(old.spec.name)
-            if not old.plugin.provides[kind]:
-                del old.plugin.provides[kind]
         table[spec.name] = new
-        plugin.provides.setdefault(kind, []).append(spec.name)
 
     def _entry(self, kind: Kind, name: str) -> Entry:
         for entry in self._table[kind].values():
             if name == entry.spec.name or name in entry.spec.aliases:
                 return entry
-        installed = self._installed(kind)
-        msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {installed}."
+        msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed(kind)}."
         known = [n for e in self._table[kind].values() for n in (e.spec.name, *e.spec.aliases)]
         if close := difflib.get_close_matches(name, known, n=1, cutoff=0.75):
             msg += f" Did you mean '{close[0]}'?"
         if inactive := [f"{p.name} ({p.status}: {p.error})" for p in self.plugins if p.status != "active"]:
             msg += f" Installed plugins that are not active: {'; '.join(inactive)}."
-        raise UnknownComponentError(
-            msg + " `minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."
-        )
+        msg += " `minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."
+        raise UnknownComponentError(msg)
 
     def _installed(self, kind: Kind) -> str:
-        table = self._table[kind]
-        return (
-            ", ".join(f"{n} ({table[n].plugin.distribution or table[n].plugin.name})" for n in sorted(table)) or "none"
-        )
+        entries = [self._table[kind][n] for n in self.names(kind)]
+        return ", ".join(f"{e.spec.name} ({e.plugin.distribution or e.plugin.name})" for e in entries) or "none"
 
     def active_plugin_names(self) -> list[str]:
         """Entry names of the active plugins: what a parent hands to its worker processes (``only=``)."""
@@ -155,3 +167,166 @@ class PluginRegistry:
         raise UnknownComponentError(
             f"no installed {KIND_LABELS[kind]} supports device '{device}'; installed: {self._installed(kind)}"
         )
+
+
+def core_version() -> str:
+    return VERSION
+
+
+def discover() -> list[PluginSource]:
+    """Every installed entry point of the group (one per distribution name), built-ins first, then by name."""
+    # The built-ins' fallback serves a source tree without installed metadata.
+    found = {(BUILTIN, "minisgl"): PluginSource(BUILTIN, "minisgl.plugins.builtin", "minisgl", VERSION)}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        if dist := ep.dist:
+            requires = tuple(dist.requires or ())
+            found[ep.name, dist.name] = PluginSource(ep.name, ep.value, dist.name, dist.version, dist, requires)
+    return sorted(found.values(), key=lambda s: (s.name != BUILTIN, s.name, s.distribution))
+
+
+def check_compatible(requirements: Iterable[str], version: str) -> str:
+    """Why a plugin requiring ``requirements`` cannot run on core ``version`` ('' if it can)."""
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:  # packaging comes with pip; without it, trust the installer
+        return ""
+    for raw in requirements:
+        try:
+            req = Requirement(raw)
+        except InvalidRequirement:
+            continue
+        if req.name.lower().replace("_", "-") != "minisgl" or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            return f"requires minisgl{req.specifier}, but minisgl {version} is installed"
+    return ""
+
+
+def load_plugins(
+    only: Sequence[str] | None = None,
+    *,
+    extra: Iterable[PluginSource] = (),
+    environ: Mapping[str, str] | None = None,
+    strict: bool | None = None,
+    raise_conflicts: bool = True,
+    discover_installed: bool = True,
+) -> PluginRegistry:
+    """Load the plugins into a new :class:`PluginRegistry` (docs/plugins.md, "Choosing plugins").
+
+    ``only``: exactly these entry names, ignoring the environment's lists (worker processes).
+    ``extra``: plugins that are not installed. ``environ`` (default ``os.environ``) is read for
+    ``MINISGL_PLUGINS``, ``MINISGL_DISABLE_PLUGINS`` and ``MINISGL_STRICT_PLUGINS``. ``strict``: a
+    plugin that fails or is incompatible raises :class:`PluginError` instead of a warning.
+    ``raise_conflicts=False`` keeps the first of two clashing specs and records the clash in
+    ``registry.conflicts``. ``discover_installed=False`` loads only ``extra`` (not even the built-ins).
+    """
+    env = os.environ if environ is None else environ
+    strict = _flag(env.get(ENV_STRICT)) if strict is None else strict
+    allow, block = _names(env.get(ENV_ALLOW)), _names(env.get(ENV_BLOCK)) or []
+    sources = (discover() if discover_installed else []) + list(extra)
+    known = sorted({s.name for s in sources})
+    lists = {"the plugin list": list(only)} if only is not None else {ENV_ALLOW: allow or [], ENV_BLOCK: block}
+    for label, unknown in ((label, n) for label, names in lists.items() for n in names if n not in known):
+        close = difflib.get_close_matches(unknown, known, n=1)
+        warnings.warn(
+            f"{label} names unknown plugin '{unknown}'{f' (did you mean {close[0]!r}?)' if close else ''}; "
+            f"installed plugins: {', '.join(known) or 'none'}",
+            PluginWarning,
+            stacklevel=2,
+        )
+    pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    pm.add_hookspecs(hookspecs)
+    registry, owners, found = PluginRegistry(), dict[str, PluginInfo](), []
+    for src in sources:
+        module = src.module if isinstance(src.module, str) else str(getattr(src.module, "__name__", src.module))
+        info = PluginInfo(src.name, src.distribution, src.version, module)
+        registry.plugins.append(info)
+        if only is not None:
+            off = "" if src.name in only else "not in the plugin list this process was given"
+        else:
+            off = f"listed in {ENV_BLOCK}" if src.name in block else ""
+            off = off or (f"not in {ENV_ALLOW}" if allow is not None and src.name not in (*allow, BUILTIN) else "")
+        if off:
+            pm.set_blocked(src.name)  # pluggy never loads a blocked name
+            info.status, info.error = "disabled", off
+        elif (first := owners.setdefault(src.name, info)) is not info:
+            info.status, info.error = "failed", f"entry name '{src.name}' is taken by {first.who}"
+            registry.conflicts.append(
+                f"two installed distributions register the plugin entry name '{src.name}': {first.who} and "
+                f"{info.who}; uninstall one of them"
+            )
+        elif why := check_compatible(src.requires, VERSION):
+            info.status = "incompatible"
+            info.error = (
+                f"{why}: install a release of {src.distribution or 'it'} made for minisgl {VERSION}, "
+                f"or disable it with {ENV_BLOCK}={src.name}"
+            )
+            _report(f"{info.who} is incompatible: {info.error}", strict)
+        else:
+            found += _load(pm, src, info, strict)
+    for info, hook, specs in found:  # ranked by where pluggy calls each plugin: tryfirst first, trylast last
+        order = [impl.plugin_name for impl in reversed(getattr(pm.hook, hook).get_hookimpls())]
+        for i, spec in enumerate(specs):
+            registry.add(spec, info, (order.index(info.name), i))
+    for kind, table in registry._table.items():
+        for name, entry in table.items():
+            entry.plugin.provides.setdefault(kind, []).append(name)
+    if registry.conflicts and raise_conflicts:
+        raise PluginError("conflicting plugins:\n  " + "\n  ".join(registry.conflicts))
+    return registry
+
+
+def _load(
+    pm: pluggy.PluginManager, src: PluginSource, info: PluginInfo, strict: bool
+) -> list[tuple[PluginInfo, str, list[ComponentSpec]]]:
+    """Import the plugin (installed ones through pluggy's entry-point loading), register it and call its
+    hooks, one plugin at a time so that every spec is attributed to it and a failure drops it alone."""
+    stage, found = f" failed to import '{info.module}'", []
+    try:
+        if src.dist is None:
+            plugin = importlib.import_module(src.module) if isinstance(src.module, str) else src.module
+        elif not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):
+            raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
+        stage = " is not a valid minisgl plugin"
+        if src.dist is None:
+            pm.register(plugin, name=src.name)
+        plugin = pm.get_plugin(src.name)
+        if typos := [c.name for c in pm.get_hookcallers(plugin) or [] if c.spec is None]:
+            close = difflib.get_close_matches(typos[0], hookspecs.HOOKS.values(), n=1)
+            raise PluginError(
+                f"@hookimpl function '{typos[0]}' is not a minisgl hook (known: "
+                f"{', '.join(hookspecs.HOOKS.values())}){f'; did you mean {close[0]!r}?' if close else ''}"
+            )
+        stage, others = ": a hook failed", [p for p in pm.get_plugins() if p is not plugin]
+        for kind, hook in hookspecs.HOOKS.items():
+            expected = SPEC_TYPES[kind].__name__
+            for result in pm.subset_hook_caller(hook, others)():
+                if isinstance(result, ComponentSpec) or not isinstance(result, Iterable):
+                    raise TypeError(f"{hook}() must return an iterable of {expected}, got {type(result).__name__}")
+                specs = list(result)
+                if wrong := [s for s in specs if not isinstance(s, SPEC_TYPES[kind])]:
+                    raise TypeError(f"{hook}() returned a {type(wrong[0]).__name__}, expected {expected}")
+                found.append((info, hook, specs))
+    except Exception as exc:
+        if pm.has_plugin(src.name):
+            pm.unregister(name=src.name)
+        info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
+        _report(f"{info.who}{stage}: {info.error}", strict)
+        return []
+    return found
+
+
+def _names(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _report(message: str, strict: bool) -> None:
+    if strict:
+        raise PluginError(f"{message} ({ENV_STRICT} is set, so this stops start-up)")
+    warnings.warn(
+        f"{message}; the plugin is skipped (set {ENV_STRICT}=1 to make this fatal)", PluginWarning, stacklevel=4
+    )
