@@ -33,7 +33,8 @@ _EXT_MESSAGE = 1
 class GenerateReq:
     """A new request from the API server. Exactly one of ``text``, ``messages``, ``input_ids`` is set.
 
-    ``params`` is :meth:`SamplingParams.to_dict`, validated by the API server.
+    ``params`` is :meth:`SamplingParams.to_dict`, validated by the API server. ``tools`` (with
+    ``messages`` only) are the request's function tools, for the chat template.
     """
 
     rid: int
@@ -41,6 +42,7 @@ class GenerateReq:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass

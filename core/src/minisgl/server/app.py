@@ -26,6 +26,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
 from .settings import ServeSettings
 from .text_tools import TextTools, load_model_tokenizer
+from .tools import CallStream, ForcedStream, choose_parser, make_stream
 
 if TYPE_CHECKING:
     from .launcher import Health
@@ -154,6 +155,15 @@ def create_app(
         model = settings.model
         text = TextTools(lambda: load_model_tokenizer(model), max_model_len, vocab_size)
     tools = text
+    # The tool-call format: from the chat template, unless a serve setting names one.
+    parser_setting = str(getattr(settings, "tool_call_parser", "auto"))
+    choose_parser(None, parser_setting)  # an unknown name fails here, at start-up
+    parsers: list[str] = []  # the chosen one, once known
+
+    async def tool_parser() -> str:
+        if not parsers:
+            parsers.append(choose_parser(await tools.chat_template(), parser_setting))
+        return parsers[0]
 
     async def watch_workers(app: FastAPI) -> None:
         while True:
@@ -248,10 +258,19 @@ def create_app(
                 code="model_not_found",
             )
 
-    async def respond(request: Request, jobs: list[Job], shape: ResponseShape, stream: bool, field: str) -> Response:
+    async def respond(
+        request: Request,
+        jobs: list[Job],
+        shape: ResponseShape,
+        stream: bool,
+        field: str,
+        grammar_field: str | None = None,
+    ) -> Response:
         if app.state.draining:
             raise gone_error("the server is shutting down")
-        gen = Generation(client, request.receive, jobs, prompt_field=field)
+        # A grammar the engine cannot compile is reported against the request field that sent it.
+        fields = {"grammar": grammar_field, "response_format": grammar_field} if grammar_field else None
+        gen = Generation(client, request.receive, jobs, prompt_field=field, fields=fields)
         try:
             await gen.start()
             if stream:
@@ -267,17 +286,35 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_supported()
+        body.check_vocab(vocab_size)
         limits.check_choices(body.n)
         messages = body.plain_messages()
         params: list[SamplingParams] = [body.params(i) for i in range(body.n)]
-        jobs = [Job(GenerateReq(client.new_rid(), p.to_dict(), messages=messages), i, 0) for i, p in enumerate(params)]
+        template_tools = body.template_tools()
+        jobs = [
+            Job(GenerateReq(client.new_rid(), p.to_dict(), messages=messages, tools=template_tools), i, 0)
+            for i, p in enumerate(params)
+        ]
+        grammar, grammar_field = body.grammar()
+        mode, named = body.tool_mode()
+        names = [t.function.name for t in body.tools or []]
+        parallel = body.parallel_tool_calls is not False
+        parser = await tool_parser() if mode == "auto" and grammar is None else None
+        for job in jobs:
+            stream: CallStream | None = None
+            if mode in ("required", "named"):
+                stream = ForcedStream(named, names)
+            elif parser is not None:  # auto (a response_format wins: its JSON is not read as calls)
+                stream = make_stream(parser, names, parallel)
+            job.tools = stream
         shape = ResponseShape(True, model_name, body.logprobs, body.include_usage)
-        return await respond(request, jobs, shape, body.stream, "messages")
+        return await respond(request, jobs, shape, body.stream, "messages", grammar_field)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_supported()
+        body.check_vocab(vocab_size)
         limits.check_choices(body.n, len(body.prompts()))
         jobs = []
         for pi, prompt in enumerate(body.prompts()):
@@ -291,7 +328,7 @@ def create_app(
                 )
                 jobs.append(Job(req, pi * body.n + i, pi))
         shape = ResponseShape(False, model_name, body.logprobs is not None, body.include_usage)
-        return await respond(request, jobs, shape, body.stream, "prompt")
+        return await respond(request, jobs, shape, body.stream, "prompt", body.grammar()[1])
 
     card = {
         "id": model_name,
@@ -325,7 +362,9 @@ def create_app(
         chat = not isinstance(source, str)
         special = body.add_special_tokens if body.add_special_tokens is not None else not chat
         generation_prompt = body.add_generation_prompt is not False
-        ids, strs = await tools.tokenize(source, special, generation_prompt, body.return_token_strs)
+        ids, strs = await tools.tokenize(
+            source, special, generation_prompt, body.return_token_strs, body.template_tools()
+        )
         out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
         if strs is not None:
             out["token_strs"] = strs

@@ -11,12 +11,15 @@ send extra options keep working.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..core import SamplingParams, ValidationError
+from .tools import forced_schema, template_tool_calls
 
 _INT32 = 2**31 - 1  # bounds keep every value msgpack- and tensor-friendly
 # OpenAI accepts at most 4 stop strings. Their length is bounded too: the detokenizer checks, for
@@ -95,8 +98,8 @@ class ChatMessage(_Checked):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # of a tool message: passed to the chat template
-    # Refused unless empty (see MESSAGE_FIELDS): assistant tool calls, and what OpenAI's audio/refusals add.
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # of an assistant message: checked in plain()
+    # Refused unless empty (see MESSAGE_FIELDS): the legacy function_call, and what OpenAI's audio/refusals add.
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
@@ -129,7 +132,63 @@ class ChatMessage(_Checked):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ValidationError(f"{where}.tool_calls", "only assistant messages carry tool_calls")
+            for i, call in enumerate(self.tool_calls):
+                problem = _tool_call_problem(call)
+                if problem is not None:
+                    raise ValidationError(f"{where}.tool_calls[{i}]", problem)
+            out["tool_calls"] = template_tool_calls(self.tool_calls)
         return out
+
+
+def _tool_call_problem(call: dict[str, Any]) -> str | None:
+    """What is wrong with an assistant message's tool call (OpenAI's shape), or None."""
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
+    fn = call.get("function")
+    if (
+        call.get("type", "function") != "function"
+        or not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not isinstance(fn.get("arguments"), str)
+        or not isinstance(call.get("id", ""), str)
+        or set(call) - {"id", "type", "function"}
+        or set(fn) - {"name", "arguments"}
+    ):
+        return f"a tool call is {shape}"
+    return surrogate_problem(fn["name"]) or surrogate_problem(fn["arguments"])
+
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class FunctionDef(_Checked):
+    """A function tool: OpenAI's ``{"name", "description", "parameters", "strict"}``."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _FUNCTION_NAME.match(v):
+            raise ValueError(f"a function name is 1 to 64 letters, digits, '_' or '-', got {v!r}")
+        return v
+
+    def for_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            out["description"] = self.description
+        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return out
+
+
+class Tool(_Checked):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class _Sampling(_Checked):
@@ -158,8 +217,13 @@ class _Sampling(_Checked):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
-    # Refused unless they ask for nothing: see PENDING and UNSUPPORTED.
+    # OpenAI's map of token ids (as strings) to a bias in [-100, 100]; ids are checked against the
+    # vocabulary by the app (check_vocab).
     logit_bias: dict[str, int | float] | None = None
+    # Extensions (as SGLang's): constrain the output to a regular expression or an EBNF grammar.
+    regex: str | None = Field(None, min_length=1)
+    ebnf: str | None = Field(None, min_length=1)
+    # Refused unless they ask for nothing: see UNSUPPORTED.
     service_tier: str | None = None
     store: bool | None = None
 
@@ -172,6 +236,16 @@ class _Sampling(_Checked):
                 raise ValueError(f"at most 16 key-value pairs, got {len(v)}")
             if any(len(k) > 64 for k in v) or any(len(x) > 512 for x in v.values()):
                 raise ValueError("keys may be at most 64 characters and values at most 512")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, int | float] | None) -> dict[str, int | float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit() or int(key) > _INT32:
+                raise ValueError(f'keys are token ids written as strings of digits (e.g. "50256"), got {key!r}')
+            if not -100 <= bias <= 100:
+                raise ValueError(f"a bias is in [-100, 100], got {bias} for token {key}")
         return v
 
     @field_validator("stop")
@@ -204,6 +278,27 @@ class _Sampling(_Checked):
         if problem is not None:
             raise ValidationError(*problem)
 
+    def check_vocab(self, vocab_size: int | None) -> None:
+        """Refuse ``logit_bias`` ids outside the vocabulary (a 400 naming the id)."""
+        if vocab_size is None:
+            return
+        bad = next((k for k in self.logit_bias or {} if int(k) >= vocab_size), None)
+        if bad is not None:
+            raise ValidationError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    def bias(self) -> dict[int, float] | None:
+        """``logit_bias`` as SamplingParams takes it (None when it asks for nothing)."""
+        bias = {int(k): float(b) for k, b in (self.logit_bias or {}).items() if b != 0}
+        return bias or None
+
+    def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
+        """The output constraint (kind, text) and the request field that asked for it, or (None, None)."""
+        if self.regex is not None:
+            return ("regex", self.regex), "regex"
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf), "ebnf"
+        return None, None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
         """Parameters of choice ``index``: with ``n`` > 1 and a seed, each choice gets its own seed."""
         seed = None if self.seed is None else self.seed + index
@@ -223,6 +318,8 @@ class _Sampling(_Checked):
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.bias(),
+            grammar=self.grammar()[0],
         )
 
 
@@ -233,11 +330,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Refused unless they ask for nothing: see PENDING and UNSUPPORTED.
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # checked in _response_format
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked in tool_problem
     parallel_tool_calls: bool | None = None
+    # Refused unless they ask for nothing: see UNSUPPORTED.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -248,8 +345,111 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type")
+        shapes = (
+            '{"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+        )
+        if kind in ("text", "json_object") and set(v) == {"type"}:
+            return v
+        if kind == "json_schema" and set(v) == {"type", "json_schema"} and isinstance(v["json_schema"], dict):
+            spec = v["json_schema"]
+            extra = set(spec) - {"name", "description", "schema", "strict"}
+            if extra:
+                raise ValueError(f"json_schema takes name, description, schema and strict, not {sorted(extra)[0]!r}")
+            if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), bool | None):
+                raise ValueError("json_schema.name is a string and json_schema.strict a boolean")
+            if "schema" in spec and not isinstance(spec["schema"], dict):
+                raise ValueError("json_schema.schema is a JSON schema (an object)")
+            return v
+        raise ValueError(f"expected {shapes}")
+
     def plain_messages(self) -> list[dict[str, Any]]:
         return [m.plain(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    # ---------------------------------------------------------- tools
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("off" | "auto" | "required" | "named", the named function): how tools are used.
+
+        ``off``: no tools, or ``tool_choice: "none"`` (the template is not shown the tools and the
+        output is not parsed: the model must not call, as at OpenAI).
+        """
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return "off", None
+        if isinstance(choice, dict):
+            return "named", choice["function"]["name"]
+        return ("required", None) if choice == "required" else ("auto", None)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (transformers' shape), or None."""
+        if self.tool_mode()[0] == "off":
+            return None
+        return [{"type": "function", "function": t.function.for_template()} for t in self.tools or []]
+
+    def tool_problem(self) -> tuple[str, str] | None:
+        """(field, message) for tool fields that do not fit together, or None."""
+        tools = self.tools or []
+        names = [t.function.name for t in tools]
+        dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if dup is not None:
+            return "tools", f"two tools are named {dup!r}; names must be unique"
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if (
+                choice.get("type") != "function"
+                or set(choice) != {"type", "function"}
+                or not isinstance(fn, dict)
+                or set(fn) != {"name"}
+                or not isinstance(fn["name"], str)
+            ):
+                return "tool_choice", 'a named tool choice is {"type": "function", "function": {"name": ...}}'
+            if fn["name"] not in names:
+                offered = ", ".join(repr(n) for n in names) or "none"
+                return "tool_choice", f"the function {fn['name']!r} is not among the tools (offered: {offered})"
+        elif choice is not None and choice not in ("none", "auto", "required"):
+            return "tool_choice", f'expected "none", "auto", "required" or a named function, got {choice!r}'
+        if choice not in (None, "none", "auto") and not tools:
+            return "tool_choice", "a tool choice other than none/auto needs tools"
+        if self.tool_mode()[0] in ("required", "named"):
+            asked = "required" if choice == "required" else "naming a function"
+            for other in ("response_format", "regex", "ebnf"):
+                if getattr(self, other) is not None and (other != "response_format" or self._wants_json()):
+                    return (
+                        other,
+                        f"{other} cannot be combined with tool_choice {asked} (the call's schema shapes the output)",
+                    )
+        return None
+
+    def _wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.get("type") != "text"
+
+    def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
+        sources = [f for f in ("response_format", "regex", "ebnf") if getattr(self, f) is not None]
+        if "response_format" in sources and not self._wants_json():
+            sources.remove("response_format")
+        if len(sources) > 1:
+            raise ValidationError(
+                sources[1], f"send at most one of response_format, regex and ebnf (got {' and '.join(sources)})"
+            )
+        mode, name = self.tool_mode()
+        if mode in ("required", "named"):
+            functions = [t.function.for_template() for t in self.tools or []]
+            schema = forced_schema(functions, name, self.parallel_tool_calls is not False)
+            return ("json_schema", json.dumps(schema)), "tool_choice"
+        if sources == ["response_format"]:
+            fmt = self.response_format or {}
+            given = (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_object" or given is None:
+                return ("json", ""), "response_format"
+            return ("json_schema", json.dumps(given)), "response_format"
+        return super().grammar()
 
     def params(self, index: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -313,42 +513,18 @@ def _one_of(*values: Any) -> Check:
     return lambda v, body: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
-def _no_tools(body: Any) -> bool:
-    return not getattr(body, "tools", None) and not getattr(body, "functions", None)
-
-
 # Features another change will implement. When one lands, delete its entry here and honour the
-# field (its type is already declared on the request model).
-PENDING: dict[str, tuple[Check, str]] = {
-    "response_format": (
-        _one_of({"type": "text"}),
-        "structured output (json_object, json_schema) is not supported yet; leave response_format out "
-        'or send {"type": "text"}',
-    ),
-    "tools": (_empty, "tool calling is not supported yet; leave tools out"),
-    "tool_choice": (
-        lambda v, body: v is None or (v in ("none", "auto") and _no_tools(body)),
-        'tool calling is not supported yet; leave tool_choice out (or "none")',
-    ),
-    "parallel_tool_calls": (
-        lambda v, body: v is None or _no_tools(body),
-        "tool calling is not supported yet; leave parallel_tool_calls out",
-    ),
-    "functions": (_empty, "function calling is not supported yet; leave functions out"),
-    "function_call": (
-        lambda v, body: v is None or (v in ("none", "auto") and _no_tools(body)),
-        'function calling is not supported yet; leave function_call out (or "none")',
-    ),
-    "logit_bias": (
-        lambda v, body: v is None or all(x == 0 for x in v.values()),
-        "logit_bias is not supported yet; leave it out (or send {})",
-    ),
-}
+# field (its type is already declared on the request model). Empty: every OpenAI field is honoured
+# or, in UNSUPPORTED, refused for good.
+PENDING: dict[str, tuple[Check, str]] = {}
 
 # Fields of a chat message, refused (by ChatMessage.plain) unless empty.
 MESSAGE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tool_calls": (lambda v: not v, "tool calling is not supported yet; send assistant messages without tool_calls"),
-    "function_call": (lambda v: v is None, "function calling is not supported yet; leave function_call out"),
+    "function_call": (
+        lambda v: v is None,
+        "the legacy function_call is not supported; send the call as tool_calls "
+        '([{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}])',
+    ),
     "refusal": (lambda v: v is None, "refusals are not taken as input; send the text as content"),
     "audio": (lambda v: v is None, "audio is not supported (text only); leave audio out"),
 }
@@ -360,6 +536,17 @@ def _best_of(v: Any, body: Any) -> bool:
 
 # What this server does not do, and no change plans to.
 UNSUPPORTED: dict[str, tuple[Check, str]] = {
+    # OpenAI's deprecated form of tools; its replies differ (message.function_call), so it is refused
+    # rather than half-mapped.
+    "functions": (
+        _empty,
+        'the legacy functions are not supported; send them as tools ([{"type": "function", '
+        '"function": {...}}]) with tool_choice',
+    ),
+    "function_call": (
+        lambda v, body: v is None or (v in ("none", "auto") and not body.functions),
+        "the legacy function_call is not supported; send tool_choice (with tools) instead",
+    ),
     "echo": (_one_of(False), "echoing the prompt is not supported; leave echo out or false"),
     "suffix": (_one_of(""), "suffixes (insertion) are not supported; leave suffix out"),
     "best_of": (
@@ -401,8 +588,16 @@ def refusal(body: _Sampling) -> tuple[str, str] | None:
                 "stream_options.include_obfuscation",
                 "this server does not pad streamed chunks; leave include_obfuscation out or false",
             )
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
-        return "top_logprobs", "top_logprobs needs logprobs: true"
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        problem = body.tool_problem()
+        if problem is not None:
+            return problem
+    try:
+        body.grammar()
+    except ValidationError as exc:
+        return exc.field, exc.message
     if isinstance(body, CompletionRequest) and body.best_of is not None and body.best_of < body.n:
         return "best_of", f"best_of ({body.best_of}) must be at least n ({body.n})"
     return None
@@ -420,6 +615,14 @@ class TokenizeRequest(_Checked):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None  # messages only; default true
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # messages only: passed to the chat template, as chat completions do
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        if self.messages is None:
+            raise ValidationError("tools", "tools apply to messages only")
+        return [{"type": "function", "function": t.function.for_template()} for t in self.tools]
 
     def source(self) -> str | list[dict[str, Any]]:
         """The prompt, or the messages as the chat template takes them; refuses what does not fit together."""

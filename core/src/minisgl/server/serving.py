@@ -25,6 +25,7 @@ from starlette.types import Message, Receive
 
 from ..message import GenerateReq
 from .client import EngineClient
+from .tools import CallStream, Event, parse_whole
 
 
 class APIError(Exception):
@@ -74,6 +75,8 @@ class Job:
     dirty: bool = False  # has output the response has not looked at
     submitted: float = 0.0
     last: float | None = None
+    tools: CallStream | None = None  # parses tool calls out of the text (chat with tools)
+    calls_sent: int = 0  # tool calls streamed so far
 
     @property
     def rid(self) -> int:
@@ -124,11 +127,20 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
 class Generation:
     """The jobs of one HTTP request, woken when any of them has news."""
 
-    def __init__(self, client: EngineClient, receive: Receive, jobs: list[Job], *, prompt_field: str):
+    def __init__(
+        self,
+        client: EngineClient,
+        receive: Receive,
+        jobs: list[Job],
+        *,
+        prompt_field: str,
+        fields: dict[str, str] | None = None,
+    ):
         self.client = client
         self.receive = receive
         self.order = jobs
         self.prompt_field = prompt_field
+        self.fields = {"prompt": prompt_field, **(fields or {})}  # a worker's field name -> the request's
         self.wake = asyncio.Event()
         self.dirty: list[Job] = []
         self.client_gone = False
@@ -182,7 +194,7 @@ class Generation:
                 failed = next((j for j in self.order if j.failure is not None), None)
                 if failed is not None:
                     field, message = failed.failure  # type: ignore[misc]
-                    param = self.prompt_field if field == "prompt" else field
+                    param = self.fields.get(field, field)
                     raise APIError(400, f"{param}: {message}", param=param)
                 if all(j.started for j in self.order):
                     return
@@ -247,6 +259,11 @@ def completion_logprobs(entries: list[list[Any]], offset: int) -> dict[str, Any]
     }
 
 
+def _tool_finish(reason: str | None) -> str | None:
+    """A reply that ended by itself with calls finished for them (``tool_calls``); a cut one stays ``length``."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 # ----------------------------------------------------------------- shapes
 class ResponseShape:
     """Chat or completions: how choices, chunks and logprobs look."""
@@ -279,11 +296,18 @@ class ResponseShape:
             if self.want_logprobs:
                 lp = chat_logprobs(job.logprobs) if self.chat else completion_logprobs(job.logprobs, 0)
             choice: dict[str, Any] = {"index": job.index}
-            if self.chat:
+            finish_reason = job.finish_reason
+            if self.chat and job.tools is not None:
+                content, calls = parse_whole(job.tools, text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
+                    finish_reason = _tool_finish(finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice.update(logprobs=lp, finish_reason=job.finish_reason)
+            choice.update(logprobs=lp, finish_reason=finish_reason)
             choices.append(choice)
         return {**self._envelope(choices, False), "usage": usage(jobs)}
 
@@ -311,9 +335,13 @@ class ResponseShape:
                 lp = completion_logprobs(entries, offset)
                 self._offsets[job.index] = offset + sum(len(t) for t, _, _ in entries)
         finish = None
-        if job.finished and not job.finish_sent:
+        ending = job.finished and not job.finish_sent
+        if ending:
             job.finish_sent = True
             finish = job.finish_reason
+        if job.tools is not None:
+            events = job.tools.feed(text) + (job.tools.finish() if ending else [])
+            return self._tool_chunks(job, events, lp, finish)
         if not text and lp is None and finish is None:
             return ""  # text held back (partial character or possible stop string)
         if self.chat:
@@ -321,6 +349,35 @@ class ResponseShape:
         else:
             delta = _dumps(text)
         return self._chunk(job.index, delta, lp, finish)
+
+    def _tool_chunks(self, job: Job, events: list[Event], lp: Any, finish: str | None) -> str:
+        """Chunks of a chat with tools: content deltas, and per call a delta with its index, id, type and
+        name (arguments empty) followed by its argument fragments; logprobs and finish on the last."""
+        deltas: list[str] = []
+        for kind, value in events:
+            if kind == "content":
+                deltas.append('{"content":' + _dumps(value) + "}")
+                continue
+            if kind in ("call", "head"):
+                job.calls_sent += 1
+                head = {"index": job.calls_sent - 1, "id": value.id, "type": "function"}
+                head["function"] = {"name": value.name, "arguments": ""}
+                deltas.append(_dumps({"tool_calls": [head]}))
+            args = value.arguments if kind == "call" else value if kind == "args" else ""
+            if args:
+                part = {"index": job.calls_sent - 1, "function": {"arguments": args}}
+                deltas.append(_dumps({"tool_calls": [part]}))
+        if finish is not None and job.calls_sent:
+            finish = _tool_finish(finish)
+        if not deltas:
+            if lp is None and finish is None:
+                return ""
+            deltas.append("{}")
+        last = len(deltas) - 1
+        return "".join(
+            self._chunk(job.index, d, lp if i == last else None, finish if i == last else None)
+            for i, d in enumerate(deltas)
+        )
 
     def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
         return {**self._envelope([], True), "usage": usage(jobs)}

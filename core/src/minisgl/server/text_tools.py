@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..core import ValidationError
-from ..tokenizer.worker import _max_token_chars
+from ..tokenizer.worker import _max_token_chars, apply_template
 from .serving import APIError
 
 logger = logging.getLogger("minisgl.server")
@@ -80,14 +80,38 @@ class TextTools:
         return tok, max_chars
 
     # ------------------------------------------------------------------ calls
+    async def chat_template(self) -> str | None:
+        """The model's chat template (its text), or None (no tokenizer, or none that loaded)."""
+        return await self._run(self._chat_template)
+
+    def _chat_template(self) -> str | None:
+        try:
+            tok, _ = self._tokenizer("messages")
+        except (APIError, ValidationError):
+            return None
+        template = getattr(tok, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default, and the one for tools
+            template = "\n".join(str(t) for t in template.values())
+        return template if isinstance(template, str) else None
+
     async def tokenize(
-        self, source: str | list[dict[str, Any]], add_special_tokens: bool, add_generation_prompt: bool, strs: bool
+        self,
+        source: str | list[dict[str, Any]],
+        add_special_tokens: bool,
+        add_generation_prompt: bool,
+        strs: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[str] | None]:
-        """Token ids (and their strings when ``strs``) of a prompt or of chat messages."""
-        return await self._run(self._tokenize, source, add_special_tokens, add_generation_prompt, strs)
+        """Token ids (and their strings when ``strs``) of a prompt or of chat messages (with ``tools``)."""
+        return await self._run(self._tokenize, source, add_special_tokens, add_generation_prompt, strs, tools)
 
     def _tokenize(
-        self, source: str | list[dict[str, Any]], add_special_tokens: bool, add_generation_prompt: bool, strs: bool
+        self,
+        source: str | list[dict[str, Any]],
+        add_special_tokens: bool,
+        add_generation_prompt: bool,
+        strs: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[str] | None]:
         field = "prompt" if isinstance(source, str) else "messages"
         tok, max_chars = self._tokenizer(field)
@@ -95,7 +119,7 @@ class TextTools:
             text = source
         else:
             try:
-                text = tok.apply_chat_template(source, tokenize=False, add_generation_prompt=add_generation_prompt)
+                text = apply_template(tok, source, tools, add_generation_prompt)
             except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
                 raise ValidationError("messages", f"cannot apply the chat template: {exc}") from None
         limit = self.max_model_len

@@ -42,7 +42,7 @@ class TokenizerService:
                 return RequestFailed(req.rid, field, "this model has no tokenizer; send token ids as the prompt")
             else:
                 if req.messages is not None:
-                    text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+                    text = apply_template(tok, req.messages, req.tools, add_generation_prompt=True)
                 else:
                     text = req.text or ""
                 too_long = self._surely_too_long(text)
@@ -90,6 +90,16 @@ class TokenizerService:
                 f"exceeds the context length {max_len}",
             )
         return None
+
+
+def apply_template(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+) -> str:
+    """The chat template applied to ``messages`` (and ``tools``, when there are any), as text."""
+    extra = {"tools": tools} if tools else {}
+    return str(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    )
 
 
 def _max_token_chars(tokenizer: Any) -> int:
