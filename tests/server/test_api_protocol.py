@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -18,6 +19,15 @@ from minisgl.server.protocol import (
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+JSON = {"type": "json_object"}
 
 # The request fields of OpenAI's API reference (chat completions and legacy completions).
 OPENAI_CHAT_FIELDS = {
@@ -84,14 +94,17 @@ def test_no_op_values_are_accepted(fields: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("fields", "field", "says"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "not supported yet"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-        ({"tool_choice": "required"}, "tool_choice", "tool calling"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "leave tool_choice out"),
-        ({"functions": [{"name": "f"}]}, "functions", "function calling"),
-        ({"function_call": {"name": "f"}}, "function_call", "function calling"),
-        ({"logit_bias": {"42": 5}}, "logit_bias", "logit_bias is not supported yet"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not among the tools"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+        ({"tools": [TOOL], "tool_choice": {"name": "get_weather"}}, "tool_choice", '{"type": "function"'),
+        ({"tools": [TOOL, TOOL]}, "tools", "unique"),
+        ({"tools": [TOOL], "tool_choice": "required", "regex": "a+"}, "regex", "cannot be combined"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": JSON}, "response_format", "combined"),
+        ({"response_format": JSON, "regex": "a+"}, "regex", "at most one of"),
+        ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf", "at most one of"),
+        ({"functions": [{"name": "f"}]}, "functions", "send them as tools"),
+        ({"function_call": {"name": "f"}}, "function_call", "send tool_choice"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
         ({"modalities": ["text", "audio"]}, "modalities", '["text"]'),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction", "predicted outputs"),
@@ -112,9 +125,77 @@ def test_unsupported_values_are_refused(fields: dict[str, Any], field: str, says
     assert says in message
 
 
-def test_tool_choice_with_tools_is_refused_by_the_tools() -> None:
-    body = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
-    assert refused(body)[0] == "tools"
+def test_structured_output_becomes_the_grammar() -> None:
+    assert chat().params(0).grammar is None
+    assert chat(response_format={"type": "text"}).params(0).grammar is None
+    assert chat(response_format=JSON).params(0).grammar == ("json", "")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    body = chat(response_format=fmt)
+    body.check_supported()
+    assert body.params(0).grammar == ("json_schema", json.dumps(schema))
+    assert body.grammar()[1] == "response_format"
+    assert chat(regex="[0-9]+").params(1).grammar == ("regex", "[0-9]+")
+    assert completion(ebnf='root ::= "a"').params(0).grammar == ("ebnf", 'root ::= "a"')
+    assert completion(regex="x").grammar()[1] == "regex"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "json"},
+        {"type": "json_object", "schema": {}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": []}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "colour": 1}},
+        {"type": "json_schema"},
+    ],
+)
+def test_bad_response_formats_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(PydanticError) as info:
+        chat(response_format=bad)
+    assert info.value.errors()[0]["loc"] == ("response_format",)
+
+
+def test_logit_bias() -> None:
+    body = chat(logit_bias={"42": 5, "7": -100, "9": 0})
+    body.check_supported()
+    body.check_vocab(100)
+    assert body.params(0).logit_bias == {42: 5.0, 7: -100.0}  # a zero bias asks for nothing
+    assert chat(logit_bias={"3": 0}).params(0).logit_bias is None
+    with pytest.raises(ValidationError, match=r"token id 100 is outside the vocabulary \[0, 100\)") as info:
+        chat(logit_bias={"100": 1}).check_vocab(100)
+    assert info.value.field == "logit_bias"
+    for bad in ({"x": 1}, {"-1": 1}, {"1": 101}, {"1": -100.5}, {"١": 1}):
+        with pytest.raises(PydanticError) as err:
+            completion(logit_bias=bad)
+        assert err.value.errors()[0]["loc"][0] == "logit_bias"
+
+
+def test_tool_modes_and_template_tools() -> None:
+    assert chat().tool_mode() == ("off", None) and chat().template_tools() is None
+    assert chat(tools=[TOOL]).tool_mode() == ("auto", None)
+    assert chat(tools=[TOOL], tool_choice="none").template_tools() is None  # the model must not call
+    assert chat(tools=[TOOL], tool_choice="required").tool_mode() == ("required", None)
+    named = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named.check_supported()
+    assert named.tool_mode() == ("named", "get_weather")
+    assert named.template_tools() == [TOOL]
+    grammar, field = named.grammar()
+    assert field == "tool_choice" and grammar is not None and grammar[0] == "json_schema"
+    assert json.loads(grammar[1]) == TOOL["function"]["parameters"]  # type: ignore[index]
+    required = chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False).grammar()[0]
+    assert required is not None
+    schema = json.loads(required[1])
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert schema["items"]["properties"]["name"] == {"const": "get_weather"}
+    bare = chat(tools=[{"type": "function", "function": {"name": "now"}}]).template_tools()
+    assert bare == [
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    with pytest.raises(PydanticError):
+        chat(tools=[{"type": "custom", "custom": {"name": "x"}}])
+    with pytest.raises(PydanticError, match="1 to 64"):
+        chat(tools=[{"type": "function", "function": {"name": "no spaces"}}])
 
 
 @pytest.mark.parametrize(
@@ -124,7 +205,7 @@ def test_tool_choice_with_tools_is_refused_by_the_tools() -> None:
         ({"suffix": "end"}, "suffix", "suffixes"),
         ({"best_of": 3}, "best_of", "set it equal to n"),
         ({"best_of": 1, "n": 2}, "best_of", "at least n"),
-        ({"logit_bias": {"1": -100}}, "logit_bias", "not supported yet"),
+        ({"regex": "a", "ebnf": "b"}, "ebnf", "at most one"),
     ],
 )
 def test_completion_refusals(fields: dict[str, Any], field: str, says: str) -> None:
@@ -151,11 +232,24 @@ def test_message_fields() -> None:
     msg = {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "calc"}
     body = ChatCompletionRequest.model_validate({"messages": [msg]})
     assert body.plain_messages() == [{"role": "tool", "content": "42", "name": "calc", "tool_call_id": "call_1"}]
-    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
     body = ChatCompletionRequest.model_validate({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": calls}]})
-    with pytest.raises(ValidationError) as info:
-        body.plain_messages()
-    assert info.value.field == "messages[1].tool_calls" and "tool calling" in info.value.message
+    # As transformers' chat templates take them: the arguments as an object.
+    want = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    assert body.plain_messages()[1] == {"role": "assistant", "content": "", "tool_calls": want}
+    for bad, where in (
+        ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}], "assistant"),
+        ([{"id": "c", "type": "function", "function": {"name": "f"}}], "assistant"),
+        ([{"type": "code", "function": {"name": "f", "arguments": "{}"}}], "assistant"),
+        (calls, "user"),
+    ):
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": where, "tool_calls": bad}]})
+        with pytest.raises(ValidationError) as info:
+            body.plain_messages()
+        assert info.value.field.startswith("messages[0].tool_calls")
+    legacy = {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(ValidationError, match="send the call as tool_calls"):
+        ChatCompletionRequest.model_validate({"messages": [legacy]}).plain_messages()
     with pytest.raises(PydanticError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x", "colour": "red"}]})
 

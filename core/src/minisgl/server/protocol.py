@@ -291,9 +291,16 @@ class _Sampling(_Checked):
         bias = {int(k): float(b) for k, b in (self.logit_bias or {}).items() if b != 0}
         return bias or None
 
+    def grammar_sources(self) -> list[str]:
+        """The fields that constrain the output (at most one may be sent)."""
+        sources = [f for f in ("regex", "ebnf") if getattr(self, f) is not None]
+        if len(sources) > 1:
+            raise ValidationError(sources[1], f"send at most one of regex and ebnf (got {' and '.join(sources)})")
+        return sources
+
     def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
         """The output constraint (kind, text) and the request field that asked for it, or (None, None)."""
-        if self.regex is not None:
+        if self.regex is not None and self.grammar_sources():
             return ("regex", self.regex), "regex"
         if self.ebnf is not None:
             return ("ebnf", self.ebnf), "ebnf"
@@ -430,7 +437,7 @@ class ChatCompletionRequest(_Sampling):
     def _wants_json(self) -> bool:
         return self.response_format is not None and self.response_format.get("type") != "text"
 
-    def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
+    def grammar_sources(self) -> list[str]:
         sources = [f for f in ("response_format", "regex", "ebnf") if getattr(self, f) is not None]
         if "response_format" in sources and not self._wants_json():
             sources.remove("response_format")
@@ -438,6 +445,10 @@ class ChatCompletionRequest(_Sampling):
             raise ValidationError(
                 sources[1], f"send at most one of response_format, regex and ebnf (got {' and '.join(sources)})"
             )
+        return sources
+
+    def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
+        sources = self.grammar_sources()
         mode, name = self.tool_mode()
         if mode in ("required", "named"):
             functions = [t.function.for_template() for t in self.tools or []]
