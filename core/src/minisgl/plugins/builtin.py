@@ -1,8 +1,5 @@
-"""The core's own components: the entry point ``builtin`` of the ``minisgl`` group, registered like any plugin.
-
-Its hooks are ``trylast``: under ``auto`` every other plugin's components rank above the built-ins.
-Factories are lazy strings, so loading this module imports no torch.
-"""
+"""The core's own components, the ``builtin`` entry point: ``trylast``, so under ``auto`` every other
+plugin's components rank above them. Factories are lazy strings: loading this module imports no torch."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The compute capability of the CUDA GPUs this process may use, without creating a CUDA context.
 
-Support checks run in ``minisgl plugins`` and the server's preflight, before any worker loads torch,
-so they ask NVML (the driver's management library) through ctypes; where torch has already set CUDA
-up in this process, or NVML cannot answer, torch answers.
+Support checks run before any worker loads torch, so they ask NVML through ctypes; torch answers
+where it has already set CUDA up in this process, or where NVML cannot.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import sys
 
@@ -20,12 +20,7 @@ def only_visible(caps: list[Capability], visible: str | None) -> list[Capability
     items = [s.strip() for s in (visible or "").split(",") if s.strip()]
     if visible is None or not all(s.lstrip("-").isdigit() for s in items):
         return caps
-    picked = []
-    for i in map(int, items):
-        if not 0 <= i < len(caps):
-            break
-        picked.append(caps[i])
-    return picked
+    return [caps[i] for i in itertools.takewhile(lambda i: 0 <= i < len(caps), map(int, items))]
 
 
 def nvml_capabilities() -> list[Capability] | None:

@@ -1,8 +1,7 @@
 """``minisgl plugins [--json] [--device DEVICE]``: what is installed, what is active, what each provides.
 
-Plugins are loaded as an engine would load them, but nothing is built (no torch import). With
-``--device``, each component's support check runs for that device and says why it cannot run there.
-Exit status 1: an engine would refuse to start (a clash, or a skipped plugin under MINISGL_STRICT_PLUGINS).
+Plugins are loaded as an engine would, nothing is built (no torch import); ``--device`` runs the support
+checks. Exit status 1: an engine would refuse to start (a clash, or a skipped plugin under strict mode).
 """
 
 from __future__ import annotations

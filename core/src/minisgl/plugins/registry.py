@@ -1,8 +1,5 @@
-"""Loading the plugins through pluggy into a :class:`PluginRegistry`, and reading it.
-
-:func:`load_plugins` lists the ``minisgl`` entry points, filters them (allow/block lists, the core version
-a plugin requires), has pluggy load each one that passes and call its hooks, and settles name clashes.
-The registry is plain data: engines read it; nothing on the per-step path touches pluggy.
+""":func:`load_plugins`: pluggy loads the allowed, compatible ``minisgl`` entry points and calls their hooks;
+the specs go into a :class:`PluginRegistry`, plain data that engines read (no pluggy on the per-step path).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ SPEC_TYPES = {t.kind: t for t in ComponentSpec.__subclasses__()}
 
 @dataclass(frozen=True)
 class PluginSource:
-    """A plugin to load: one per installed entry point (``dist`` set), or given through
-    ``load_plugins(extra=[...])`` (tests, embedding), where ``requires`` stands in for ``Requires-Dist``."""
+    """An installed entry point (``dist`` set), or a plugin given as ``load_plugins(extra=[...])``."""
 
     name: str
     module: str | types.ModuleType | object
@@ -69,8 +65,7 @@ class Entry(NamedTuple):
 
 
 class PluginRegistry:
-    """Every kind's specs. ``plugins`` lists every plugin found (active or not); ``conflicts`` the clashes
-    (:func:`load_plugins` raises on them unless ``raise_conflicts=False``, for listings)."""
+    """Every kind's specs; ``plugins``: every plugin found, active or not; ``conflicts``: the clashes."""
 
     def __init__(self) -> None:
         self.plugins: list[PluginInfo] = []
@@ -94,11 +89,8 @@ class PluginRegistry:
                 )
                 return
             winner, loser = (new, old) if spec.override else (old, new)
-            warnings.warn(
-                f"{what} from {winner.plugin.who} overrides the one from {loser.plugin.who}",
-                PluginWarning,
-                stacklevel=3,
-            )
+            msg = f"{what} from {winner.plugin.who} overrides the one from {loser.plugin.who}"
+            warnings.warn(msg, PluginWarning, stacklevel=3)
             loser.plugin.overridden.setdefault(spec.kind, []).append(loser.spec.name)
             if loser is new:
                 return
@@ -228,12 +220,9 @@ def load_plugins(
     lists = {"the plugin list": list(only)} if only is not None else {ENV_ALLOW: allow or [], ENV_BLOCK: block}
     for label, unknown in ((label, n) for label, names in lists.items() for n in names if n not in known):
         close = difflib.get_close_matches(unknown, known, n=1)
-        warnings.warn(
-            f"{label} names unknown plugin '{unknown}'{f' (did you mean {close[0]!r}?)' if close else ''}; "
-            f"installed plugins: {', '.join(known) or 'none'}",
-            PluginWarning,
-            stacklevel=2,
-        )
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        msg = f"{label} names unknown plugin '{unknown}'{hint}; installed plugins: {', '.join(known) or 'none'}"
+        warnings.warn(msg, PluginWarning, stacklevel=2)
     pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
     pm.add_hookspecs(hookspecs)
     registry, owners, found = PluginRegistry(), dict[str, PluginInfo](), []
@@ -279,8 +268,7 @@ def load_plugins(
 def _load(
     pm: pluggy.PluginManager, src: PluginSource, info: PluginInfo, strict: bool
 ) -> list[tuple[PluginInfo, str, list[ComponentSpec]]]:
-    """Import the plugin (installed ones through pluggy's entry-point loading), register it and call its
-    hooks, one plugin at a time so that every spec is attributed to it and a failure drops it alone."""
+    """Import (through pluggy for installed ones), register and call one plugin: a failure drops it alone."""
     stage, found = f" failed to import '{info.module}'", []
     try:
         if src.dist is None:

@@ -1,8 +1,7 @@
-"""What plugins return from their hooks: frozen spec dataclasses, and the plugin layer's errors.
+"""What plugins return from their hooks (frozen spec dataclasses), and the plugin layer's errors.
 
-A spec says what a plugin provides and how to build it, without building anything:
-factories (and support checks) may be lazy ``"pkg.mod:attr"`` strings, imported only
-when a component is built, so an entry module never imports kernel libraries.
+A spec says how to build a component without building it: a lazy ``"pkg.mod:attr"`` factory (or support
+check) is imported only when the component is built, so an entry module never imports kernel libraries.
 """
 
 from __future__ import annotations
@@ -84,23 +83,23 @@ class ComponentSpec:
         owner = type(self).__name__
         if not isinstance(self.aliases, tuple):
             raise TypeError(f"{owner}.aliases must be a tuple of strings, got {self.aliases!r}")
-        for n in (self.name, *self.aliases):
-            if not isinstance(n, str) or not _NAME.match(n):
-                raise ValueError(
-                    f"{owner} name or alias {n!r} is invalid: use letters, digits and '_ . + -' (no commas or spaces)"
-                )
-            if n == "auto":
-                raise ValueError(f"{owner} name or alias 'auto' is reserved (it asks minisgl to choose)")
+        if bad := [n for n in (self.name, *self.aliases) if not isinstance(n, str) or not _NAME.match(n)]:
+            raise ValueError(
+                f"{owner} name or alias {bad[0]!r} is invalid: use letters, digits and '_ . + -' (no commas or spaces)"
+            )
+        if "auto" in (self.name, *self.aliases):
+            raise ValueError(f"{owner} name or alias 'auto' is reserved (it asks minisgl to choose)")
         if self.name in self.aliases:
             raise ValueError(f"{owner} '{self.name}' lists its own name among its aliases")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"{owner}.priority must be an int, got {self.priority!r}")
-        for attr in ("factory", "is_supported") if self.is_supported is not None else ("factory",):
-            ref = getattr(self, attr)
+        checks = [("factory", self.factory)] + (
+            [("is_supported", self.is_supported)] if self.is_supported is not None else []
+        )
+        for attr, ref in checks:
             if not (_LAZY_REF.match(ref) if isinstance(ref, str) else callable(ref)):
-                raise (ValueError if isinstance(ref, str) else TypeError)(
-                    f"{owner}.{attr} must be a callable or a 'package.module:attribute' string, got {ref!r}"
-                )
+                error = ValueError if isinstance(ref, str) else TypeError
+                raise error(f"{owner}.{attr} must be a callable or a 'package.module:attribute' string, got {ref!r}")
 
     @property
     def label(self) -> str:
