@@ -6,6 +6,8 @@ Covers what the app decides by itself: refusals of unsupported fields and unknow
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_LEN = 64
 VOCAB = 49152
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+REPLY: list[str] = []  # what the fake engine answers, piece by piece (empty: "Paris.")
+FAIL: list[str] = []  # (field, message): the fake engine refuses the request
+tasks: set[Any] = set()
 
 
 class Workers:
@@ -51,9 +56,21 @@ def api(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     app = create_app(settings, addresses, {"max_model_len": MAX_LEN, "vocab_size": VOCAB}, Workers(), text=text)
     submitted: list[GenerateReq] = []
 
-    async def submit(req: GenerateReq, sink: Any) -> None:  # the fake engine: one word, then stop
+    async def submit(req: GenerateReq, sink: Any) -> None:  # the fake engine: REPLY's pieces (one word), then stop
         submitted.append(req)
-        sink.on_output("Paris.", 2, None, ["stop", 7, 0])
+        if FAIL:
+            sink.on_failed(*FAIL)
+            return
+        pieces = REPLY or ["Paris."]
+        sink.on_output(pieces[0], 1, None, ["stop", 7, 0] if len(pieces) == 1 else None)
+
+        async def rest() -> None:  # the other pieces arrive later, each on its own
+            for i, piece in enumerate(pieces[1:], 2):
+                await asyncio.sleep(0.002)
+                sink.on_output(piece, i, None, ["stop", 7, 0] if i == len(pieces) else None)
+
+        if len(pieces) > 1:
+            tasks.add(asyncio.create_task(rest()))
 
     with TestClient(app) as client:
         app.state.client.submit = submit
@@ -89,9 +106,18 @@ def test_no_op_values_reach_the_engine(api: tuple[TestClient, list[GenerateReq]]
 @pytest.mark.parametrize(
     ("path", "body", "param", "says"),
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
-        ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias", "leave it out"),
+        ("/v1/chat/completions", {"response_format": {"type": "json"}}, "response_format", "expected"),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {}}]},
+            "tools[0].function.name",
+            "required",
+        ),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "send them as tools"),
+        ("/v1/chat/completions", {"logit_bias": {str(VOCAB): 10}}, "logit_bias", f"token id {VOCAB} is outside"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ("/v1/completions", {"regex": "a", "ebnf": "b"}, "ebnf", "at most one"),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
         ("/v1/completions", {"best_of": 4}, "best_of", "equal to n"),
         ("/v1/completions", {"echo": True}, "echo", "echoing"),
@@ -117,12 +143,189 @@ def test_unknown_argument_is_refused_like_openai(api: tuple[TestClient, list[Gen
     assert "messages[0].colour" in error_of(resp, 400, "messages[0].colour")
 
 
-def test_tool_calls_in_messages_are_refused(api: tuple[TestClient, list[GenerateReq]]) -> None:
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+HERMES = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture
+def reply() -> Iterator[list[str]]:
+    REPLY.clear()
+    FAIL.clear()
+    yield REPLY
+    REPLY.clear()
+    FAIL.clear()
+
+
+def sse_chunks(resp: Any) -> list[dict[str, Any]]:
+    assert resp.status_code == 200, resp.text
+    lines = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_tool_call_in_the_reply(api: tuple[TestClient, list[GenerateReq]], reply: list[str]) -> None:
+    client, submitted = api
+    reply += [HERMES]
+    resp = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [TOOL]})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Checking."
+    (call,) = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # The tools went to the chat template (in the tokenizer worker); no grammar under auto.
+    assert submitted[-1].tools == [TOOL] and submitted[-1].params["grammar"] is None
+
+
+def test_tool_call_streamed(api: tuple[TestClient, list[GenerateReq]], reply: list[str]) -> None:
     client, _ = api
-    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    msgs = [*MESSAGES, {"role": "assistant", "tool_calls": calls}]
-    resp = client.post("/v1/chat/completions", json={"messages": msgs})
-    assert "tool calling" in error_of(resp, 400, "messages[1].tool_calls")
+    reply += [HERMES[i : i + 3] for i in range(0, len(HERMES), 3)]  # the marker split across chunks
+    body = {"messages": MESSAGES, "tools": [TOOL], "stream": True}
+    chunks = sse_chunks(client.post("/v1/chat/completions", json=body))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content == "Checking." and not any("<" in (d.get("content") or "") for d in deltas)
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    head, *args = calls
+    assert head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(a["index"] == 0 and "id" not in a for a in args)
+    assert json.loads("".join(a["function"]["arguments"] for a in args)) == {"city": "Paris"}
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert finishes == ["tool_calls"]
+
+
+def test_tool_choice_named_and_required_send_a_schema(
+    api: tuple[TestClient, list[GenerateReq]], reply: list[str]
+) -> None:
+    client, submitted = api
+    reply += ['{"city": ', '"Paris"}']
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        body = {"messages": MESSAGES, "tools": [TOOL], "tool_choice": named, "stream": stream}
+        resp = client.post("/v1/chat/completions", json=body)
+        kind, schema = submitted[-1].params["grammar"]
+        assert kind == "json_schema" and json.loads(schema) == TOOL["function"]["parameters"]  # type: ignore[index]
+        if stream:
+            deltas = [c["choices"][0]["delta"] for c in sse_chunks(resp)]
+            calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+            assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+            assert "".join(c["function"]["arguments"] for c in calls[1:]) == '{"city": "Paris"}'
+        else:
+            message = resp.json()["choices"][0]["message"]
+            assert message["content"] is None and resp.json()["choices"][0]["finish_reason"] == "tool_calls"
+            assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    reply[:] = ['[{"name": "get_weather", "arguments": {"city": "Oslo"}}]']
+    body = {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    out = client.post("/v1/chat/completions", json=body).json()
+    assert json.loads(submitted[-1].params["grammar"][1])["maxItems"] == 1
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_tool_choice_none_offers_and_parses_nothing(
+    api: tuple[TestClient, list[GenerateReq]], reply: list[str]
+) -> None:
+    client, submitted = api
+    reply += [HERMES]
+    out = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [TOOL], "tool_choice": "none"})
+    assert submitted[-1].tools is None
+    choice = out.json()["choices"][0]
+    assert choice["message"]["content"] == HERMES and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_unknown_function_stays_text(api: tuple[TestClient, list[GenerateReq]], reply: list[str]) -> None:
+    client, _ = api
+    text = '<tool_call>{"name": "launch", "arguments": {}}</tool_call>'
+    reply += [text]
+    out = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [TOOL]}).json()
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_history_reaches_the_template(api: tuple[TestClient, list[GenerateReq]], reply: list[str]) -> None:
+    client, submitted = api
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+    ]
+    resp = client.post("/v1/chat/completions", json={"messages": msgs, "tools": [TOOL]})
+    assert resp.status_code == 200, resp.text
+    sent = submitted[-1].messages
+    assert sent is not None
+    assert sent[1]["tool_calls"] == [{**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert sent[2] == {"role": "tool", "content": "22 C, sunny", "tool_call_id": "call_1"}
+
+
+def test_structured_output_and_logit_bias_reach_the_engine(
+    api: tuple[TestClient, list[GenerateReq]], reply: list[str]
+) -> None:
+    client, submitted = api
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    for stream in (False, True):
+        resp = client.post(
+            "/v1/chat/completions",
+            json={"messages": MESSAGES, "response_format": fmt, "logit_bias": {"5": -100, "9": 2}, "stream": stream},
+        )
+        assert resp.status_code == 200, resp.text
+        assert submitted[-1].params["grammar"] == ["json_schema", json.dumps(schema)]
+        assert sorted(submitted[-1].params["logit_bias"]) == [[5, -100.0], [9, 2.0]]
+    client.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {"type": "json_object"}})
+    assert submitted[-1].params["grammar"] == ["json", ""]
+    client.post("/v1/completions", json={"prompt": "x", "regex": "[0-9]+"})
+    assert submitted[-1].params["grammar"] == ["regex", "[0-9]+"]
+    client.post("/v1/completions", json={"prompt": "x", "ebnf": 'root ::= "a"'})
+    assert submitted[-1].params["grammar"] == ["ebnf", 'root ::= "a"']
+
+
+def test_a_grammar_the_engine_refuses_names_the_request_field(
+    api: tuple[TestClient, list[GenerateReq]], reply: list[str]
+) -> None:
+    client, _ = api
+    FAIL[:] = ["grammar", "cannot compile the grammar: bad"]
+    resp = client.post("/v1/completions", json={"prompt": "x", "regex": "(", "stream": True})
+    assert "cannot compile" in error_of(resp, 400, "regex")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    FAIL[:] = ["response_format", "bad schema"]
+    resp = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [TOOL], "tool_choice": named})
+    assert error_of(resp, 400, "tool_choice") == "tool_choice: bad schema"
+
+
+def test_tokenize_with_tools(api: tuple[TestClient, list[GenerateReq]], tokenizer: Any) -> None:
+    client, _ = api
+    resp = client.post("/tokenize", json={"messages": MESSAGES, "tools": [TOOL]})
+    assert resp.status_code == 200, resp.text
+    assert "messages only" in error_of(client.post("/tokenize", json={"prompt": "x", "tools": [TOOL]}), 400, "tools")
+
+
+def test_tools_reach_a_template_that_renders_them(tokenizer: Any) -> None:
+    """The template gets ``tools`` (as transformers' templates take them), in /tokenize as in the workers."""
+    from copy import deepcopy
+
+    from minisgl.tokenizer.worker import apply_template
+
+    tok = deepcopy(tokenizer)
+    tok.chat_template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    assert apply_template(tok, MESSAGES, [TOOL], False) == "[get_weather]" + MESSAGES[0]["content"]
+    text = TextTools(lambda: tok, MAX_LEN, VOCAB)
+    try:
+        ids, _ = asyncio.run(text.tokenize(MESSAGES, False, True, False, [TOOL]))
+        assert tok.decode(ids).startswith("[get_weather]")
+    finally:
+        text.close()
 
 
 def test_tokenize_prompt_and_messages(api: tuple[TestClient, list[GenerateReq]], tokenizer: Any) -> None:
