@@ -257,3 +257,25 @@ def test_without_a_tokenizer_a_grammar_is_refused(llm: LLM) -> None:
     assert info.value.field == "response_format"
     assert not sched.has_work
     sched.check_accounting()
+
+
+def test_mask_applies_to_transposed_logits() -> None:
+    """CPU matmuls can return the logits column-major (seen with 32 rows): the mask must still hold."""
+    import torch
+    import xgrammar
+
+    from minisgl.core import Req
+    from minisgl.engine.grammar import TokenMask
+    from minisgl.engine.sampling import Sampler
+
+    vocab, n = 1000, 6
+    bitmask = xgrammar.allocate_token_bitmask(n, vocab)
+    bitmask.zero_()
+    bitmask[:, 0] = 1 << 7  # only token 7 allowed on the constrained rows
+    logits = torch.randn(vocab, n).t()  # non-contiguous rows
+    assert not logits.is_contiguous()
+    reqs = [Req(rid=i, input_ids=[1], params=SamplingParams(temperature=0), max_new_tokens=1) for i in range(n)]
+    free = logits.argmax(dim=1).tolist()
+    tokens = Sampler(torch.device("cpu")).sample(logits, reqs, TokenMask(bitmask, [0, 2, 4])).tokens.tolist()
+    assert tokens[0::2] == [7, 7, 7]
+    assert tokens[1::2] == free[1::2]

@@ -55,7 +55,9 @@ class Sampler:
         row's ``logit_bias``) before everything else, logprobs included."""
         biased = any(r.params.logit_bias for r in reqs)
         if mask is not None or biased:
-            logits = logits.float()  # in place when already float32: the logits are this step's alone
+            # A copy only when not float32 or not row-major (the mask kernels want contiguous rows; CPU
+            # matmuls can return the logits transposed); otherwise in place: the logits are this step's alone.
+            logits = logits.float().contiguous()
             if biased:
                 self._apply_bias(logits, reqs)
             if mask is not None:
