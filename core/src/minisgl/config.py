@@ -73,6 +73,11 @@ class EngineFields(BaseModel):
     nnodes: int = Field(1, ge=1, description="nodes the tensor-parallel ranks span")
     node_rank: int = Field(0, ge=0, description="this node's index; nodes other than 0 run ranks only, no API")
     dist_init_addr: str | None = Field(None, description="HOST:PORT of rank 0's rendezvous (several nodes)")
+    plugin_paths: str | None = Field(
+        None,
+        description="plugins that are not installed: comma-separated .py files, folders of .py files or module "
+        "names, each loaded like an installed plugin named after its file or module",
+    )
 
     @field_validator("device")
     @classmethod

@@ -47,7 +47,9 @@ class LLM:
             from .plugins import load_plugins
             from .scheduler.tp import start_tensor_parallel
 
-            reg = registry if registry is not None else load_plugins(self.config.plugins)
+            reg = (
+                registry if registry is not None else load_plugins(self.config.plugins, paths=self.config.plugin_paths)
+            )
             self.scheduler, self._ranks, own_tokenizer = start_tensor_parallel(self.config, reg)
             self.engine = self.scheduler.engine
             tokenizer = tokenizer if tokenizer is not None else own_tokenizer

@@ -66,7 +66,7 @@ class Engine:
         comm: Communicator | None = None,
     ):
         self.config = config
-        self.registry = registry if registry is not None else load_plugins(config.plugins)
+        self.registry = registry if registry is not None else load_plugins(config.plugins, paths=config.plugin_paths)
         self.tp = tp
         self.comm = comm or SingleCommunicator()
         self.device = torch.device(config.device)

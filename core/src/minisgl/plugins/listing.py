@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRICT, PluginRegistry, _flag, core_version, load_plugins
-from .specs import KINDS
+from .specs import KINDS, PluginError
 
 
 def to_json(
@@ -77,10 +77,20 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     parser.add_argument("--device", metavar="DEVICE", help="also check each component against DEVICE (cpu, cuda)")
+    parser.add_argument(
+        "--plugin-paths",
+        default=os.environ.get("MINISGL_PLUGIN_PATHS"),
+        help="also load plugins that are not installed: .py files, folders of them or module names, comma-separated "
+        "(as minisgl serve --plugin-paths; env MINISGL_PLUGIN_PATHS)",
+    )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        registry = load_plugins(strict=False, raise_conflicts=False)
+        try:
+            registry = load_plugins(strict=False, raise_conflicts=False, paths=args.plugin_paths)
+        except PluginError as exc:  # a --plugin-paths entry that does not exist
+            print(f"minisgl plugins: error: {exc}", file=err)
+            return 2
     messages = [str(w.message) for w in caught]
     strict = _flag(os.environ.get(ENV_STRICT))
     skipped = [p for p in registry.plugins if strict and p.status in ("failed", "incompatible")]

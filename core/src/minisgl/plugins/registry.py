@@ -7,11 +7,13 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as md
+import importlib.util
 import os
 import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import pluggy
@@ -36,6 +38,7 @@ class PluginSource:
     version: str = ""
     dist: md.Distribution | None = None
     requires: tuple[str, ...] = ()
+    local: bool = False  # named by path or module (``plugin_paths``): enabled whatever the lists say
 
 
 @dataclass
@@ -176,6 +179,37 @@ def discover() -> list[PluginSource]:
     return sorted(found.values(), key=lambda s: (s.name != BUILTIN, s.name, s.distribution))
 
 
+def local_sources(paths: str | None) -> list[PluginSource]:
+    """Plugins that are not installed: comma-separated ``.py`` files, folders of them, or module names.
+
+    Each is one plugin named after its file or module (``my_plugin.py`` -> ``my_plugin``); a folder gives
+    every ``.py`` file in it that does not start with ``_``.
+    """
+    found: list[PluginSource] = []
+    for item in _names(paths) or []:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            files = sorted(f for f in path.glob("*.py") if not f.name.startswith("_"))
+        elif item.endswith(".py") or path.exists():
+            if not path.is_file():
+                raise PluginError(f"plugin file '{item}' does not exist")
+            files = [path]
+        else:  # a module name
+            found.append(PluginSource(item.rsplit(".", 1)[-1], item, item, local=True))
+            continue
+        found += [PluginSource(f.stem, str(f.resolve()), str(f.resolve()), local=True) for f in files]
+    return found
+
+
+def _import_file(path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"minisgl_local_plugin_{Path(path).stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def check_compatible(requirements: Iterable[str], version: str) -> str:
     """Why a plugin requiring ``requirements`` cannot run on core ``version`` ('' if it can)."""
     try:
@@ -202,6 +236,7 @@ def load_plugins(
     strict: bool | None = None,
     raise_conflicts: bool = True,
     discover_installed: bool = True,
+    paths: str | None = None,
 ) -> PluginRegistry:
     """Load the plugins into a new :class:`PluginRegistry` (docs/plugins.md, "Choosing plugins").
 
@@ -211,11 +246,12 @@ def load_plugins(
     plugin that fails or is incompatible raises :class:`PluginError` instead of a warning.
     ``raise_conflicts=False`` keeps the first of two clashing specs and records the clash in
     ``registry.conflicts``. ``discover_installed=False`` loads only ``extra`` (not even the built-ins).
+    ``paths``: plugins that are not installed (``EngineConfig.plugin_paths``, see :func:`local_sources`).
     """
     env = os.environ if environ is None else environ
     strict = _flag(env.get(ENV_STRICT)) if strict is None else strict
     allow, block = _names(env.get(ENV_ALLOW)), _names(env.get(ENV_BLOCK)) or []
-    sources = (discover() if discover_installed else []) + list(extra)
+    sources = (discover() if discover_installed else []) + list(extra) + local_sources(paths)
     known = sorted({s.name for s in sources})
     lists = {"the plugin list": list(only)} if only is not None else {ENV_ALLOW: allow or [], ENV_BLOCK: block}
     for label, unknown in ((label, n) for label, names in lists.items() for n in names if n not in known):
@@ -230,7 +266,9 @@ def load_plugins(
         module = src.module if isinstance(src.module, str) else str(getattr(src.module, "__name__", src.module))
         info = PluginInfo(src.name, src.distribution, src.version, module)
         registry.plugins.append(info)
-        if only is not None:
+        if src.local or (src.name == BUILTIN and only is not None):
+            off = ""  # named explicitly (plugin_paths), or the core's own (always on with a plugin list)
+        elif only is not None:
             off = "" if src.name in only else "not in the plugin list this process was given"
         else:
             off = f"listed in {ENV_BLOCK}" if src.name in block else ""
@@ -272,7 +310,12 @@ def _load(
     stage, found = f" failed to import '{info.module}'", []
     try:
         if src.dist is None:
-            plugin = importlib.import_module(src.module) if isinstance(src.module, str) else src.module
+            if not isinstance(src.module, str):
+                plugin = src.module
+            elif src.module.endswith(".py"):
+                plugin = _import_file(src.module)
+            else:
+                plugin = importlib.import_module(src.module)
         elif not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):
             raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
         stage = " is not a valid minisgl plugin"

@@ -293,7 +293,7 @@ def run_follower_node(config: EngineConfig) -> int:
     check_devices(config, topo)
     from ..plugins import load_plugins
 
-    registry = load_plugins(config.plugins)
+    registry = load_plugins(config.plugins, paths=config.plugin_paths)
     config = config.with_changes(plugins=tuple(registry.active_plugin_names()))
     procs = RankProcesses(config, topo)
     for p in procs.procs:

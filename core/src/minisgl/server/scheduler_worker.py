@@ -116,7 +116,7 @@ def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
         from ..plugins import load_plugins
         from ..scheduler.tp import start_tensor_parallel
 
-        sched, ranks, _ = start_tensor_parallel(config, load_plugins(config.plugins))
+        sched, ranks, _ = start_tensor_parallel(config, load_plugins(config.plugins, paths=config.plugin_paths))
         sched.detokenize = None  # stop strings are the detokenizer process's to find
         return sched, ranks
     engine = Engine(config)

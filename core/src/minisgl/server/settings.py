@@ -174,7 +174,7 @@ def preflight(settings: ServeSettings) -> list[str]:
     """Check the settings without loading anything heavy; return the active plugin names for the workers."""
     from ..config import EngineConfig
     from ..core import ValidationError
-    from ..plugins import UnknownComponentError, load_plugins
+    from ..plugins import PluginError, UnknownComponentError, load_plugins
     from .engine_build import likely_device
 
     device = settings.device
@@ -190,7 +190,10 @@ def preflight(settings: ServeSettings) -> list[str]:
             resolve_model_path(settings.model)
         except ModelPathError as exc:
             raise PreflightError(f"--model: {exc}") from None
-    registry = load_plugins()
+    try:
+        registry = load_plugins(paths=settings.plugin_paths)
+    except PluginError as exc:
+        raise PreflightError(f"--plugin-paths: {exc}") from None
     # A component named for a device it cannot run on fails here, with its reason, before any worker starts.
     target = device.split(":")[0] if device != "auto" else likely_device()
     checks = [("attention", n.strip()) for n in settings.attention_backend.split(",")]
