@@ -116,14 +116,9 @@ class ModelConformance:
         return LLM(str(model.path), registry=self.load_registry(), **args)
 
     # ---------------------------------------------------------------- fixture
-    @pytest.fixture(scope="class")
     @classmethod
-    def tiny_model(cls, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-        """The saved tiny model, its transformers twin and the prompts (built once per test class)."""
-        if not cls.architecture:
-            pytest.fail(f"{cls.__name__}: set architecture (the model's transformers class name)")
-        skip_without_device(cls.device)
-        path = tmp_path_factory.mktemp(cls.architecture)
+    def build_tiny_model(cls, path: Path) -> TinyModel:
+        """Save the tiny model to ``path`` and return it with its transformers twin and the prompts."""
         hf = save_tiny_model(cls.architecture, path, seed=cls.seed, config=cls().make_config())
         vocab = int(hf.config.vocab_size)
         prompts = random_prompts(cls.prompt_lengths, vocab, seed=cls.seed + 1)
@@ -131,6 +126,15 @@ class ModelConformance:
         longest = max(prompts, key=len)
         prompts.append(longest[: len(longest) // 2] + random_prompts([7], vocab, cls.seed + 2)[0])
         return TinyModel(cls.architecture, path, hf, prompts)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tiny_model(cls, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+        """:meth:`build_tiny_model`, once per test class."""
+        if not cls.architecture:
+            pytest.fail(f"{cls.__name__}: set architecture (the model's transformers class name)")
+        skip_without_device(cls.device)
+        return cls.build_tiny_model(tmp_path_factory.mktemp(cls.architecture))
 
     # ---------------------------------------------------------------- checks
     def _params(self) -> SamplingParams:
