@@ -1,0 +1,224 @@
+"""Structured output and tool calling end to end: a real ``minisgl serve`` of the demo model
+(SmolLM2-135M-Instruct), the official ``openai`` client, the engine's grammars (xgrammar)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serverutil import Server, openai_client
+
+pytest.importorskip("xgrammar", reason="structured output needs the 'structured' extra (pip install xgrammar)")
+
+MODEL = "smollm2"
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "country": {"type": "string", "maxLength": 16},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["name", "country", "capital"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 16}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def conforms(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether ``value`` fits ``schema`` (the keywords this file's schemas use)."""
+    kind = schema.get("type")
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "object":
+        props = schema.get("properties", {})
+        if not isinstance(value, dict) or any(k not in value for k in schema.get("required", [])):
+            return False
+        if schema.get("additionalProperties") is False and set(value) - set(props):
+            return False
+        return all(conforms(v, props[k]) for k, v in value.items() if k in props)
+    return kind is None
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(
+        smollm2_path,
+        tmp_path_factory.mktemp("structured"),
+        "--max-model-len", "1024",
+        "--num-pages", "256",
+        "--served-model-name", MODEL,
+    )  # fmt: skip
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    return openai_client(server)
+
+
+def streamed_calls(chunks: list[Any]) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """Content, tool calls (reassembled from their deltas) and finish reasons of a streamed reply."""
+    content, calls, finishes = "", [], []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            if part.id is not None:
+                assert part.index == len(calls) and part.type == "function" and part.function.name
+                calls.append({"id": part.id, "name": part.function.name, "arguments": part.function.arguments or ""})
+            else:
+                assert part.index == len(calls) - 1
+                calls[part.index]["arguments"] += part.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            finishes.append(chunk.choices[0].finish_reason)
+    return content, calls, finishes
+
+
+def test_json_schema_output(client: Any) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Describe the capital of France as JSON."}],
+        "response_format": fmt,
+        "temperature": 0,
+        "max_tokens": 80,
+    }
+    full = client.chat.completions.create(**kwargs)
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop", text
+    assert conforms(json.loads(text), CITY), text
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+def test_json_object_output(client: Any) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "List three colours."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_tool_call_flow(client: Any) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=named, temperature=0, max_tokens=100
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert conforms(args, WEATHER["function"]["parameters"]), args  # type: ignore[index]
+    # The tool's result goes back as a tool message; the model answers in words.
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER, TIME], temperature=0, max_tokens=24
+    )
+    answer = second.choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+    assert answer.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("parallel", [False])
+def test_required_tool_calls_streamed_and_not(client: Any, parallel: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What time is it in Tokyo, and the weather in Oslo?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": parallel,
+        "temperature": 0,
+        "max_tokens": 80,
+    }
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "tool_calls"
+    calls = full.choices[0].message.tool_calls
+    assert calls and (parallel or len(calls) == 1)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}  # type: ignore[index]
+    for call in calls:
+        assert conforms(json.loads(call.function.arguments), schemas[call.function.name])
+    content, streamed, finishes = streamed_calls(list(client.chat.completions.create(**kwargs, stream=True)))
+    assert content == "" and finishes == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls
+    ]
+
+
+def test_named_tool_call_streams_its_arguments(client: Any) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kwargs: dict[str, Any] = {
+        "model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": named, "max_tokens": 40, "seed": 3,
+    }  # fmt: skip
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content, calls, finishes = streamed_calls(chunks)
+    assert content == "" and finishes == ["tool_calls"] and len(calls) == 1 and calls[0]["name"] == "get_time"
+    assert conforms(json.loads(calls[0]["arguments"]), TIME["function"]["parameters"])  # type: ignore[index]
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.tool_calls[0].function.arguments == calls[0]["arguments"]
+
+
+def test_regex_and_logit_bias(client: Any) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="The year the Eiffel Tower opened:", max_tokens=6, temperature=0,
+        extra_body={"regex": "[0-9]{4}"},
+    )  # fmt: skip
+    assert len(out.choices[0].text) == 4 and out.choices[0].text.isdigit()
+    base: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 3, "temperature": 0}
+    first = client.chat.completions.create(**base, logprobs=True)
+    token = first.choices[0].logprobs.content[0].token
+    ids = client.post("/../tokenize", cast_to=object, body={"prompt": token, "add_special_tokens": False})
+    banned = client.chat.completions.create(**base, logit_bias={str(ids["tokens"][0]): -100})
+    assert banned.choices[0].message.content != first.choices[0].message.content
+    bad = pytest.importorskip("openai").BadRequestError
+    with pytest.raises(bad, match="logit_bias: token id 99999999 is outside the vocabulary"):
+        client.chat.completions.create(**base, logit_bias={"99999999": 5})
