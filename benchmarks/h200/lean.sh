@@ -2,8 +2,9 @@
 # H200 session, call 2 (on the machine still warm from suite.sh, which staged .whl and the first part of
 # FlashAttention 4's compiler): the fa plugin's GPU tests with FlashAttention 4, then the protocol's
 # offline workload at this commit and at a baseline tree, alternating, in the same call.
-# Carry plugins/minisgl-plugin-fa/build/gpu-b and .base (the baseline: `git archive BASE core plugins`
-# unpacked there). MINISGL_COMMIT and BASE_COMMIT name the two. Results in $OUT.
+# Carry plugins/minisgl-plugin-fa/build/gpu-b, .base (the baseline: `git archive BASE core plugins`
+# unpacked there) and .bench-model (config.json and tokenizer files for the grammar-mask timing).
+# MINISGL_COMMIT and BASE_COMMIT name the two trees. Results in $OUT.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
 OUT=${OUT:-/tmp/out}
@@ -43,4 +44,8 @@ for round in 1 2; do
     step 110 python3 -m minisgl bench offline --output "$OUT" --label "offline-base-$round"
   PYTHONPATH=$NEW_PATH step 110 python3 -m minisgl bench offline --output "$OUT" --label "offline-new-$round"
 done
+# Grammar masks (structured output): cost per decode step, random weights of the shapes in .bench-model
+# (a config.json and tokenizer files, carried; the demo model's by default).
+[ -d .bench-model ] && PYTHONPATH=$NEW_PATH step 150 python3 benchmarks/structured_mask.py --dummy-from .bench-model \
+  --device cuda --out "$OUT/structured_mask.json"
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
