@@ -72,3 +72,21 @@ def test_llm_loads_a_local_plugin(tmp_path: Path) -> None:
     pytest.importorskip("minisgl_plugin_llama", reason="the model needs the llama plugin")
     with LLM(str(tmp_path / "m"), plugin_paths=str(path), attention_backend="loud", num_pages=64) as llm:
         assert llm.engine.attn_specs[0].name == "loud"
+
+
+def test_a_missing_architecture_is_not_mistaken_for_another(tmp_path: Path) -> None:
+    from minisgl.plugins import ModelSpec, PluginSource, UnknownComponentError, hookimpl
+
+    class Models:
+        @hookimpl
+        def minisgl_models(self):  # type: ignore[no-untyped-def]
+            return [
+                ModelSpec(name=n, factory="minisgl.models:CausalLM") for n in ("Qwen2ForCausalLM", "LlamaForCausalLM")
+            ]
+
+    reg = load_plugins(discover_installed=False, extra=[PluginSource("models", Models())])
+    with pytest.raises(UnknownComponentError) as err:
+        reg.get("model", "Gemma2ForCausalLM")  # shares "2ForCausalLM" with Qwen2, nothing else
+    assert "Did you mean" not in str(err.value) and "docs/plugin-contracts.md#model" in str(err.value)
+    with pytest.raises(UnknownComponentError, match="Did you mean 'LlamaForCausalLM'"):
+        reg.get("model", "LLamaForCausalLM")

@@ -106,8 +106,12 @@ class PluginRegistry:
                 return entry
         msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed(kind)}."
         known = [n for e in self._table[kind].values() for n in (e.spec.name, *e.spec.aliases)]
-        if close := difflib.get_close_matches(name, known, n=1, cutoff=0.75):
-            msg += f" Did you mean '{close[0]}'?"
+        # Architectures share their suffix ("...ForCausalLM"): compare what precedes it, or every name looks close.
+        stem = (lambda n: n.split("For", 1)[0]) if kind == "model" else (lambda n: n)
+        if close := difflib.get_close_matches(stem(name), [stem(n) for n in known], n=1, cutoff=0.75):
+            msg += f" Did you mean '{next(n for n in known if stem(n) == close[0])}'?"
+        elif kind == "model":
+            msg += " No installed plugin provides it; docs/plugin-contracts.md#model says how to write one."
         if inactive := [f"{p.name} ({p.status}: {p.error})" for p in self.plugins if p.status != "active"]:
             msg += f" Installed plugins that are not active: {'; '.join(inactive)}."
         msg += " `minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."
