@@ -53,7 +53,8 @@ def api(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     addresses = {name: f"ipc://{sockets}/{name}.sock" for name in ("api", "tokenizer-0")}
     settings = ServeSettings(model="/models/tiny", api_key=KEY)
     text = TextTools(lambda: tokenizer, MAX_LEN, VOCAB)
-    app = create_app(settings, addresses, {"max_model_len": MAX_LEN, "vocab_size": VOCAB}, Workers(), text=text)
+    info = {"max_model_len": MAX_LEN, "vocab_size": VOCAB, "attention_backend": "torch", "prefix_cache": "radix"}
+    app = create_app(settings, addresses, info, Workers(), text=text)
     submitted: list[GenerateReq] = []
 
     async def submit(req: GenerateReq, sink: Any) -> None:  # the fake engine: REPLY's pieces (one word), then stop
@@ -381,6 +382,8 @@ def test_model_by_id(api: tuple[TestClient, list[GenerateReq]]) -> None:
     resp = client.get("/v1/models/tiny")
     assert resp.status_code == 200 and resp.json()["id"] == "tiny" and resp.json()["object"] == "model"
     assert resp.json() == client.get("/v1/models").json()["data"][0]
+    # The components the engine was built with, as in the "model ready" log line.
+    assert resp.json()["minisgl"]["attention_backend"] == "torch" and resp.json()["minisgl"]["prefix_cache"] == "radix"
     message = error_of(client.get("/v1/models/no/such-model"), 404, "model")
     assert "'no/such-model' does not exist" in message
     assert client.get("/v1/models/no/such-model").json()["error"]["code"] == "model_not_found"

@@ -156,7 +156,7 @@ def create_app(
         text = TextTools(lambda: load_model_tokenizer(model), max_model_len, vocab_size)
     tools = text
     # The tool-call format: from the chat template, unless a serve setting names one.
-    parser_setting = str(getattr(settings, "tool_call_parser", "auto"))
+    parser_setting = settings.tool_call_parser
     choose_parser(None, parser_setting)  # an unknown name fails here, at start-up
     parsers: list[str] = []  # the chosen one, once known
 
@@ -337,6 +337,23 @@ def create_app(
         "owned_by": "minisgl",
         "root": settings.model,
         "max_model_len": info.get("max_model_len"),
+        # What the engine was built with (the same as the "model ready" log line), for clients and operators.
+        "minisgl": {
+            key: info.get(key)
+            for key in (
+                "architecture",
+                "device",
+                "tp",
+                "attention_backend",
+                "prefix_cache",
+                "kv_pages",
+                "page_size",
+                "max_running_requests",
+                "chunked_prefill_size",
+                "cuda_graphs",
+                "overlap_schedule",
+            )
+        },
     }
 
     @app.get("/v1/models")

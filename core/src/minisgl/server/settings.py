@@ -47,6 +47,9 @@ class ServeSettings(EngineFields, BaseSettings):
         None, ge=1, le=64, description="tokenizer processes; default: one per 4 CPU cores, 1 to 4"
     )
     served_model_name: str | None = Field(None, description="model name in the API; default: the model's file name")
+    tool_call_parser: Literal["auto", "hermes", "llama3", "mistral"] = Field(
+        "auto", description="how tool calls are read from the model's output; auto = from its chat template"
+    )
     shell: bool = Field(False, description="chat in this terminal instead of serving HTTP")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
     shutdown_timeout: float = Field(
