@@ -16,7 +16,7 @@ from minisgl.testing.distributions import subprocess_env, write_distribution
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_generated_plugin_lists_and_passes_its_tests(tmp_path: Path, kind: str) -> None:
     name = "demo_" + kind.replace("-", "_")
-    root = create(name, kind, tmp_path)
+    root = create(name, kind, tmp_path, architecture="Phi3ForCausalLM" if kind == "model" else "")
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"  # an SPDX string: the table form is deprecated
     assert project["entry-points"]["minisgl"] == {name: f"minisgl_plugin_{name}.plugin"}
@@ -53,6 +53,8 @@ def test_bad_requests_say_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         create("My-Kernel", "attention", tmp_path)
     with pytest.raises(ScaffoldError, match="unknown kind 'sampler'"):
         create("x", "sampler", tmp_path)
+    with pytest.raises(ScaffoldError, match="needs --architecture"):
+        create("phi", "model", tmp_path)
     create("taken", "moe", tmp_path)
     assert main(["new", "taken", "--kind", "moe", "--dir", str(tmp_path)]) == 2
     assert "already exists" in capsys.readouterr().err

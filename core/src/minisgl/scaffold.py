@@ -21,11 +21,13 @@ KINDS: dict[str, dict[str, str]] = {
     "attention": {"component": "backend", "suffix": "AttnBackend", "test_extra": '"pytest>=8"'},
     "prefix-cache": {"component": "cache", "suffix": "PrefixCache", "test_extra": '"pytest>=8", "hypothesis>=6.100"'},
     "moe": {"component": "backend", "suffix": "MoEBackend", "test_extra": '"pytest>=8"'},
+    "model": {"component": "model", "suffix": "", "test_extra": '"pytest>=8"'},
 }
 USAGE = {
     "attention": 'Use it with `minisgl serve --attn {name}` or `LLM(..., attention_backend="{name}")`.',
     "prefix-cache": 'Use it with `minisgl serve --cache {name}` or `LLM(..., prefix_cache="{name}")`.',
     "moe": 'Use it with `minisgl serve --moe-backend {name}` (MoE models) or `LLM(..., moe_backend="{name}")`.',
+    "model": "Checkpoints whose config.json names `{architecture}` load with it: `minisgl serve --model PATH`.",
 }
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -34,12 +36,21 @@ class ScaffoldError(ValueError):
     """The package cannot be created; the message says why."""
 
 
-def create(name: str, kind: str, parent: Path, description: str = "") -> Path:
-    """Write the package ``minisgl-plugin-NAME`` for a component of ``kind`` under ``parent``; its path."""
+def create(name: str, kind: str, parent: Path, description: str = "", architecture: str = "") -> Path:
+    """Write the package ``minisgl-plugin-NAME`` for a component of ``kind`` under ``parent``; its path.
+
+    A model plugin needs ``architecture``: the Hugging Face class name (``Phi3ForCausalLM``); its test
+    builds a tiny model of that class with transformers.
+    """
     if not _NAME.match(name):
         raise ScaffoldError(f"plugin name {name!r} must be lower case letters, digits and '_', starting with a letter")
     if kind not in KINDS:
         raise ScaffoldError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind == "model" and not re.fullmatch(r"[A-Z]\w*For\w+", architecture):
+        raise ScaffoldError(
+            "a model plugin needs --architecture, the Hugging Face class name (e.g. Phi3ForCausalLM), "
+            f"got {architecture!r}"
+        )
     spec = KINDS[kind]
     dist = f"minisgl-plugin-{name.replace('_', '-')}"
     module = f"minisgl_plugin_{name}"
@@ -51,12 +62,13 @@ def create(name: str, kind: str, parent: Path, description: str = "") -> Path:
         "name": name,
         "dist": dist,
         "module": module,
-        "cls": "".join(p.capitalize() for p in name.split("_")) + spec["suffix"],
+        "cls": architecture if kind == "model" else "".join(p.capitalize() for p in name.split("_")) + spec["suffix"],
+        "architecture": architecture,
         "description": description or f"the {kind} component '{name}'",
         "test_extra": spec["test_extra"],
         "api_min": f"{major}.{minor}",
         "api_next": f"{major}.{minor + 1}",
-        "usage": USAGE[kind].format(name=name),
+        "usage": USAGE[kind].format(name=name, architecture=architecture),
     }
     templates = resources.files("minisgl") / "templates" / "plugin"
     files = {
@@ -82,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("--kind", required=True, choices=list(KINDS), help="what the plugin provides")
     new.add_argument("--dir", type=Path, default=Path("."), help="folder to create the package in (default: .)")
     new.add_argument("--description", default="", help="one line shown by `minisgl plugins`")
+    new.add_argument(
+        "--architecture", default="", help="--kind model: the Hugging Face class name, e.g. Phi3ForCausalLM"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        root = create(args.name, args.kind, args.dir, args.description)
+        root = create(args.name, args.kind, args.dir, args.description, args.architecture)
     except ScaffoldError as exc:
         print(f"minisgl plugin: error: {exc}", file=sys.stderr)
         return 2

@@ -77,7 +77,13 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
             )
         config_cls, extra = model_cls.config_class, {}
     fields = {**TINY_COMMON, **extra, **overrides}
-    return config_cls(**fields)
+    cfg = config_cls(**fields)
+    # Special token ids of the full-size default config (Phi-3's pad id 32000) would fall outside the tiny vocabulary.
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, name, None)
+        if name not in fields and isinstance(value, int) and value >= cfg.vocab_size:
+            setattr(cfg, name, 0 if name == "pad_token_id" else 1)
+    return cfg
 
 
 def save_tiny_model(architecture: str, path: str | Path, *, seed: int = 0, config: Any = None, **overrides: Any) -> Any:
