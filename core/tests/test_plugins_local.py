@@ -90,3 +90,18 @@ def test_a_missing_architecture_is_not_mistaken_for_another(tmp_path: Path) -> N
     assert "Did you mean" not in str(err.value) and "docs/plugin-contracts.md#model" in str(err.value)
     with pytest.raises(UnknownComponentError, match="Did you mean 'LlamaForCausalLM'"):
         reg.get("model", "LLamaForCausalLM")
+
+
+def test_listing_says_what_auto_picks_on_a_device() -> None:
+    import io
+    import json
+
+    from minisgl.plugins.listing import main as listing
+
+    out = io.StringIO()
+    assert listing(["--json", "--device", "cpu"], stdout=out) in (0, 1)
+    auto = json.loads(out.getvalue())["auto"]
+    assert auto["kv_pool"] == "mha" and auto["attention"] in ("cpu", "torch") and "model" not in auto
+    out = io.StringIO()
+    listing(["--device", "cpu"], stdout=out)
+    assert out.getvalue().rstrip().splitlines()[-1].startswith("auto on cpu: attention ")

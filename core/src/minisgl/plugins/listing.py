@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRICT, PluginRegistry, _flag, core_version, load_plugins
-from .specs import KINDS, PluginError
+from .specs import KINDS, PluginError, UnknownComponentError
 
 
 def to_json(
@@ -37,7 +37,7 @@ def to_json(
     plugins = [dataclasses.asdict(p) for p in registry.plugins]
     listing = {"core_version": core_version(), "plugins": plugins, "components": components}
     listing |= {"conflicts": list(registry.conflicts), "warnings": list(warning_messages)}
-    return listing | ({"device": device} if device else {})
+    return listing | ({"device": device, "auto": auto_choices(registry, device)} if device else {})
 
 
 def render_table(registry: PluginRegistry, device: str | None = None) -> str:
@@ -64,7 +64,26 @@ def render_table(registry: PluginRegistry, device: str | None = None) -> str:
     for *cells, detail in [(*header, ["PROVIDES"]), *rows]:
         out.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + detail[0])
         out += ["  ".join(" " * w for w in widths) + "  " + d for d in detail[1:]]
+    if device:
+        out += [
+            "",
+            f"auto on {device}: "
+            + ", ".join(f"{kind} {name}" for kind, name in auto_choices(registry, device).items()),
+        ]
     return "\n".join(out)
+
+
+def auto_choices(registry: PluginRegistry, device: str) -> dict[str, str]:
+    """What ``auto`` picks on ``device`` for each kind (before a model's own checks; ``-``: nothing runs there)."""
+    picks: dict[str, str] = {}
+    for kind in KINDS:
+        if kind == "model":
+            continue  # chosen by the checkpoint's architecture, not by auto
+        try:
+            picks[kind] = registry.ranked(kind, device)[0].name
+        except UnknownComponentError:
+            picks[kind] = "-"
+    return picks
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
