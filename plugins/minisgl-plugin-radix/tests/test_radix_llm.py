@@ -151,11 +151,11 @@ def test_abort_and_errors_unlock_the_matched_prefix(make_llm) -> None:
     launch = llm.engine.launch
     calls = {"n": 0}
 
-    def failing_launch(batch, inputs):  # type: ignore[no-untyped-def]
+    def failing_launch(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected failure")
-        return launch(batch, inputs)
+        return launch(*args, **kwargs)
 
     llm.engine.launch = failing_launch  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="injected failure"):
