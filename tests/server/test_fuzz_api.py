@@ -32,9 +32,17 @@ EXAMPLES = 60  # per operation and generation mode: about two minutes on two CPU
 VOCAB = 49152  # SmolLM2's
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}, "minItems": 1}
 BOUNDED = {
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 4},
-    "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": 4},
-    "n": {"type": "integer", "minimum": 1, "maximum": 2},
+    # Enums: a generator may write an integer schema's value as 4.0, which the server refuses (strict types).
+    "max_tokens": {"enum": [1, 2, 3, 4]},
+    "max_completion_tokens": {"enum": [1, 2, 3, 4]},
+    "n": {"enum": [1, 2]},
+    "stop": {
+        "anyOf": [
+            {"type": "null"},
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+        ]
+    },
     # Mostly prompts the model can take: non-empty, token ids inside the vocabulary.
     "prompt": {
         "anyOf": [
