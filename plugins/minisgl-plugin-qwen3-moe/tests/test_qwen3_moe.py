@@ -11,11 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minisgl import LLM, SamplingParams
-from minisgl.core import Batch
+from minisgl import LLM
 from minisgl.layers import GatedMLP
 from minisgl.moe import SparseMoEBlock
-from minisgl.testing.model_conformance import ModelConformance
+from minisgl.testing.model_conformance import ModelConformance, prefill_logits
 from minisgl.testing.models import random_prompts, save_tiny_model
 
 
@@ -43,16 +42,6 @@ def test_auto_moe_backend_is_torch_on_cpu(tiny_moe) -> None:
     with LLM(str(path), max_running_requests=2) as llm:
         assert llm.engine.config.moe_backend == "auto"
         assert type(llm.engine.moe_backend).__name__ == "TorchMoEBackend"
-
-
-def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    sched = llm.scheduler
-    reqs = [sched.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
-    for r in reqs:
-        assert sched.kv.try_admit(r)
-        r.device_len = r.prompt_len
-    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    return llm.engine.prefill_logits(batch, sched._prepare(batch))
 
 
 def hf_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:

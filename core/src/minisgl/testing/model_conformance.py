@@ -49,6 +49,24 @@ from .kv_pool import skip_without_device
 from .models import hf_logprobs, random_prompts, save_tiny_model, tiny_config
 
 
+def prefill_logits(llm: Any, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Float32 logits (on the CPU) at every position of ``prompts``, run as one prefill batch of ``llm``
+    (a :class:`minisgl.LLM` with nothing running); the batch's KV pages are freed again."""
+    from ..core import Batch
+
+    sched = llm.scheduler
+    reqs = [sched.add_request(list(p), SamplingParams(max_tokens=1)) for p in prompts]
+    for r in reqs:
+        assert sched.kv.try_admit(r)
+        r.device_len = r.prompt_len
+    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
+    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float().cpu()
+    for r in reqs:
+        sched.waiting.remove(r)
+        sched.kv.release(r)
+    return logits
+
+
 @dataclass
 class TinyModel:
     """A saved tiny model and what transformers makes of it (one per test class)."""
@@ -255,20 +273,9 @@ class ModelConformance:
 
     def test_prefill_logits(self, tiny_model: TinyModel) -> None:
         """Logits at every prompt position of a batch of prompts, against transformers' (``logit_atol``)."""
-        from ..core import Batch
-
         prompts = tiny_model.prompts[:3]
         with self.make_llm(tiny_model, page_size=self.page_sizes[-1]) as llm:
-            sched = llm.scheduler
-            reqs = [sched.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
-            for r in reqs:
-                assert sched.kv.try_admit(r)
-                r.device_len = r.prompt_len
-            batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-            logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float().cpu()
-            for r in reqs:
-                sched.waiting.remove(r)
-                sched.kv.release(r)
+            logits = prefill_logits(llm, prompts)
         start = 0
         for i, p in enumerate(prompts):
             with torch.no_grad():
