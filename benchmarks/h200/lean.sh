@@ -39,8 +39,10 @@ for pyproject in [pathlib.Path(".base/core/pyproject.toml"), *sorted(pathlib.Pat
     (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
     (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
 PY
+# This tree's plugins the baseline does not ship (their entry names), kept out of the baseline's runs.
+NEW_ONLY=$(for p in plugins/minisgl-plugin-*; do [ -d ".base/$p" ] || basename "$p" | sed 's/^minisgl-plugin-//'; done | paste -sd,)
 for round in 1 2; do
-  PYTHONPATH=$BASE_PATH MINISGL_COMMIT=${BASE_COMMIT:-base} \
+  PYTHONPATH=$BASE_PATH MINISGL_COMMIT=${BASE_COMMIT:-base} MINISGL_DISABLE_PLUGINS=$NEW_ONLY \
     step 110 python3 -m minisgl bench offline --output "$OUT" --label "offline-base-$round"
   PYTHONPATH=$NEW_PATH step 110 python3 -m minisgl bench offline --output "$OUT" --label "offline-new-$round"
 done
