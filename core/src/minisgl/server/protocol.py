@@ -1,12 +1,7 @@
-"""OpenAI request bodies, validated with pydantic; conversion to sampling parameters.
+"""OpenAI request bodies, validated with pydantic (a bad value is a 400 naming its field); sampling parameters.
 
-Range checks live here so that a bad value is a 400 naming its field before
-anything reaches a worker. Types are strict, as OpenAI's are: ``"4"`` is not an
-integer and ``"yes"`` is not a boolean (an integer is accepted for a float).
-Every string must be valid Unicode: JSON's ``\\ud800`` escape can smuggle in a
-lone surrogate, which no tokenizer or encoder downstream can handle. Unknown
-fields are ignored, as OpenAI-compatible servers usually do, so clients that
-send extra options keep working.
+Types are strict, as OpenAI's are (``"4"`` is not an integer; an integer is accepted for a float), and every
+string must be valid Unicode: JSON's ``\\ud800`` escape can smuggle in a lone surrogate no tokenizer handles.
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,39 +17,35 @@ from ..core import SamplingParams, ValidationError
 from .tools import forced_schema, template_tool_calls
 
 _INT32 = 2**31 - 1  # bounds keep every value msgpack- and tensor-friendly
-# OpenAI accepts at most 4 stop strings. Their length is bounded too: the detokenizer checks, for
-# every new token, whether the output ends with the start of a stop string, which costs time
-# quadratic in a stop string's length.
+# OpenAI accepts at most 4 stop strings. Their length is bounded too: the detokenizer checks, for every new
+# token, whether the output ends with the start of a stop string, which costs time quadratic in its length.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 128
-# The most choices per prompt any server accepts (OpenAI's limit); --max-n sets this server's own.
-MAX_N = 128
+MAX_N = 128  # the most choices per prompt any server accepts (OpenAI's limit); --max-n sets this server's own
 
 
 def surrogate_problem(value: Any) -> str | None:
-    """Why ``value`` (a string, a list of strings or of content parts, a model) is not valid Unicode, or None."""
+    """Why ``value`` (a string, a model, a list of strings or models) is not valid Unicode, or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            char = f"U+{ord(value[exc.start]):04X}"
             return (
-                f"the string holds an unpaired surrogate ({char}) at character {exc.start}; text must be valid "
-                "Unicode (a character outside the Basic Multilingual Plane is sent as a surrogate pair or as UTF-8)"
+                f"the string holds an unpaired surrogate (U+{ord(value[exc.start]):04X}) at character {exc.start}; "
+                "text must be valid Unicode (a character outside the Basic Multilingual Plane is sent as a "
+                "surrogate pair or as UTF-8)"
             )
         return None
     if isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            problem = surrogate_problem(getattr(value, name))
-            if problem is not None:
-                return f"{name}: {problem}"
+        items = [(name, getattr(value, name)) for name in type(value).model_fields]
+    elif isinstance(value, list) and value and isinstance(value[0], str | BaseModel):  # lists of ids need no walk
+        items = [(f"item {i}", item) for i, item in enumerate(value)]
+    else:
         return None
-    # Lists are homogeneous here (strings, token ids or content parts): lists of ids need no walk.
-    if isinstance(value, list) and value and isinstance(value[0], (str, BaseModel)):
-        for i, item in enumerate(value):
-            problem = surrogate_problem(item)
-            if problem is not None:
-                return f"item {i}: {problem}"
+    for where, item in items:
+        problem = surrogate_problem(item)
+        if problem is not None:
+            return f"{where}: {problem}"
     return None
 
 
@@ -63,11 +54,8 @@ class _Body(BaseModel):
 
 
 class _Checked(_Body):
-    """A body whose every string must be valid Unicode.
-
-    Models nested in a union (content parts) are checked by the field holding them: an error
-    raised inside would be reported as the union's first alternative (a string) not matching.
-    """
+    """A body whose every string must be valid Unicode. Content parts (nested in a union) are checked by the
+    field holding them: an error raised inside would be reported as the union's first alternative not matching."""
 
     @field_validator("*")
     @classmethod
@@ -80,17 +68,25 @@ class _Checked(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # refused when true (see UNSUPPORTED)
+    include_obfuscation: bool | None = None  # refused when true
 
 
 class ContentPart(_Body):
-    """One part of a message's content; only text parts are taken (checked in :meth:`ChatMessage.plain`,
-    so that the error names the part type rather than a union alternative)."""
+    """One part of a message's content; only text parts are taken (checked in ChatMessage.plain)."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
+
+
+# Fields of a chat message, refused (by ChatMessage.plain) unless absent.
+MESSAGE_FIELDS = {
+    "function_call": "the legacy function_call is not supported; send the call as tool_calls "
+    '([{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}])',
+    "refusal": "refusals are not taken as input; send the text as content",
+    "audio": "audio is not supported (text only); leave audio out",
+}
 
 
 class ChatMessage(_Checked):
@@ -99,18 +95,14 @@ class ChatMessage(_Checked):
     name: str | None = None
     tool_call_id: str | None = None  # of a tool message: passed to the chat template
     tool_calls: list[dict[str, Any]] | None = None  # of an assistant message: checked in plain()
-    # Refused unless empty (see MESSAGE_FIELDS): the legacy function_call, and what OpenAI's audio/refusals add.
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
 
     def plain(self, where: str = "messages") -> dict[str, Any]:
-        """The message as a chat template expects it: content as one string.
-
-        Raises :class:`~minisgl.core.ValidationError` for what cannot be used (``where`` names the message).
-        """
-        for name, (is_noop, message) in MESSAGE_FIELDS.items():
-            if not is_noop(getattr(self, name)):
+        """The message as a chat template takes it (content as one string); ValidationError for what cannot be used."""
+        for name, message in MESSAGE_FIELDS.items():
+            if getattr(self, name) is not None:
                 raise ValidationError(f"{where}.{name}", message)
         content = self.content
         if isinstance(content, list):
@@ -118,8 +110,8 @@ class ChatMessage(_Checked):
                 if part.type != "text":
                     raise ValidationError(
                         f"{where}.content[{i}]",
-                        f"content parts of type {part.type!r} are not supported (text only: "
-                        '{"type": "text", "text": ...})',
+                        f'content parts of type {part.type!r} are not supported (text only: {{"type": "text", '
+                        '"text": ...})',
                     )
                 extra = next(iter(part.model_extra or {}), None)
                 if extra is not None:
@@ -145,7 +137,6 @@ class ChatMessage(_Checked):
 
 def _tool_call_problem(call: dict[str, Any]) -> str | None:
     """What is wrong with an assistant message's tool call (OpenAI's shape), or None."""
-    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
     fn = call.get("function")
     if (
         call.get("type", "function") != "function"
@@ -156,16 +147,18 @@ def _tool_call_problem(call: dict[str, Any]) -> str | None:
         or set(call) - {"id", "type", "function"}
         or set(fn) - {"name", "arguments"}
     ):
-        return f"a tool call is {shape}"
+        return 'a tool call is {"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
     return surrogate_problem(fn["name"]) or surrogate_problem(fn["arguments"])
+
+
+def _plain(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [m.plain(f"messages[{i}]") for i, m in enumerate(messages)]
 
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class FunctionDef(_Checked):
-    """A function tool: OpenAI's ``{"name", "description", "parameters", "strict"}``."""
-
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
@@ -191,8 +184,20 @@ class Tool(_Checked):
     function: FunctionDef
 
 
+def _template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Tools as chat templates take them (transformers' shape)."""
+    return [{"type": "function", "function": t.function.for_template()} for t in tools]
+
+
+# SamplingParams fields taken from the request as they are.
+_PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+_DIRECT_PARAMS = ("temperature", "top_k", "top_p", "min_p", "ignore_eos", "skip_special_tokens", *_PENALTIES)
+
+
 class _Sampling(_Checked):
     """Fields shared by chat and completions."""
+
+    _grammar_fields: ClassVar[tuple[str, ...]] = ("regex", "ebnf")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=_INT32)
@@ -211,14 +216,13 @@ class _Sampling(_Checked):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted and validated; they change nothing in the output (as at OpenAI, where they label the
-    # request for abuse monitoring and cache routing; this server's prefix cache needs no key).
+    # Accepted and validated; they change nothing in the output (at OpenAI they label the request for abuse
+    # monitoring and cache routing; this server's prefix cache needs no key).
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
-    # OpenAI's map of token ids (as strings) to a bias in [-100, 100]; ids are checked against the
-    # vocabulary by the app (check_vocab).
+    # Token ids (as strings) to a bias in [-100, 100]; ids are checked against the vocabulary by check_vocab.
     logit_bias: dict[str, int | float] | None = None
     # Extensions (as SGLang's): constrain the output to a regular expression or an EBNF grammar.
     regex: str | None = Field(None, min_length=1)
@@ -230,12 +234,10 @@ class _Sampling(_Checked):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
-        if v is not None:
-            if len(v) > 16:
-                raise ValueError(f"at most 16 key-value pairs, got {len(v)}")
-            if any(len(k) > 64 for k in v) or any(len(x) > 512 for x in v.values()):
-                raise ValueError("keys may be at most 64 characters and values at most 512")
+        if v is not None and len(v) > 16:  # OpenAI's limits
+            raise ValueError(f"at most 16 key-value pairs, got {len(v)}")
+        if v is not None and (any(len(k) > 64 for k in v) or any(len(x) > 512 for x in v.values())):
+            raise ValueError("keys may be at most 64 characters and values at most 512")
         return v
 
     @field_validator("logit_bias")
@@ -273,59 +275,46 @@ class _Sampling(_Checked):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        """Raise :class:`~minisgl.core.ValidationError` (a 400 naming the field) for what this server cannot do."""
+        """Raise ValidationError (a 400 naming the field) for what this server cannot do."""
         problem = refusal(self)
         if problem is not None:
             raise ValidationError(*problem)
 
     def check_vocab(self, vocab_size: int | None) -> None:
-        """Refuse ``logit_bias`` ids outside the vocabulary (a 400 naming the id)."""
-        if vocab_size is None:
-            return
-        bad = next((k for k in self.logit_bias or {} if int(k) >= vocab_size), None)
+        """Refuse ``logit_bias`` ids outside the vocabulary."""
+        bad = next((k for k in self.logit_bias or {} if int(k) >= vocab_size), None) if vocab_size else None
         if bad is not None:
             raise ValidationError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
-    def bias(self) -> dict[int, float] | None:
-        """``logit_bias`` as SamplingParams takes it (None when it asks for nothing)."""
-        bias = {int(k): float(b) for k, b in (self.logit_bias or {}).items() if b != 0}
-        return bias or None
+    def _wants_json(self) -> bool:
+        return False
 
     def grammar_sources(self) -> list[str]:
         """The fields that constrain the output (at most one may be sent)."""
-        sources = [f for f in ("regex", "ebnf") if getattr(self, f) is not None]
+        names = self._grammar_fields
+        sources = [f for f in names if getattr(self, f) is not None and (f != "response_format" or self._wants_json())]
         if len(sources) > 1:
-            raise ValidationError(sources[1], f"send at most one of regex and ebnf (got {' and '.join(sources)})")
+            allowed = f"{', '.join(names[:-1])} and {names[-1]}"
+            raise ValidationError(sources[1], f"send at most one of {allowed} (got {' and '.join(sources)})")
         return sources
 
     def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
         """The output constraint (kind, text) and the request field that asked for it, or (None, None)."""
-        if self.regex is not None and self.grammar_sources():
-            return ("regex", self.regex), "regex"
-        if self.ebnf is not None:
-            return ("ebnf", self.ebnf), "ebnf"
-        return None, None
+        sources = self.grammar_sources()
+        return ((sources[0], getattr(self, sources[0])), sources[0]) if sources else (None, None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
         """Parameters of choice ``index``: with ``n`` > 1 and a seed, each choice gets its own seed."""
-        seed = None if self.seed is None else self.seed + index
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        bias = {int(k): float(b) for k, b in (self.logit_bias or {}).items() if b != 0}
         return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=seed,
+            **{name: getattr(self, name) for name in _DIRECT_PARAMS},
+            seed=None if self.seed is None else self.seed + index,
             max_tokens=max_tokens,
             stop=tuple(stop) if stop else None,
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
-            ignore_eos=self.ignore_eos,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.bias(),
+            logit_bias=bias or None,
             grammar=self.grammar()[0],
         )
 
@@ -333,11 +322,13 @@ class _Sampling(_Checked):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
+    _grammar_fields: ClassVar[tuple[str, ...]] = ("response_format", "regex", "ebnf")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None  # checked in _response_format
+    response_format: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # checked in tool_problem
     parallel_tool_calls: bool | None = None
@@ -355,14 +346,8 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is None:
-            return v
-        kind = v.get("type")
-        shapes = (
-            '{"type": "text"}, {"type": "json_object"} or '
-            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
-        )
-        if kind in ("text", "json_object") and set(v) == {"type"}:
+        kind = None if v is None else v.get("type")
+        if v is None or (kind in ("text", "json_object") and set(v) == {"type"}):
             return v
         if kind == "json_schema" and set(v) == {"type", "json_schema"} and isinstance(v["json_schema"], dict):
             spec = v["json_schema"]
@@ -374,18 +359,17 @@ class ChatCompletionRequest(_Sampling):
             if "schema" in spec and not isinstance(spec["schema"], dict):
                 raise ValueError("json_schema.schema is a JSON schema (an object)")
             return v
-        raise ValueError(f"expected {shapes}")
+        raise ValueError(
+            'expected {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+        )
 
     def plain_messages(self) -> list[dict[str, Any]]:
-        return [m.plain(f"messages[{i}]") for i, m in enumerate(self.messages)]
+        return _plain(self.messages)
 
-    # ---------------------------------------------------------- tools
     def tool_mode(self) -> tuple[str, str | None]:
-        """("off" | "auto" | "required" | "named", the named function): how tools are used.
-
-        ``off``: no tools, or ``tool_choice: "none"`` (the template is not shown the tools and the
-        output is not parsed: the model must not call, as at OpenAI).
-        """
+        """("off" | "auto" | "required" | "named", the named function). ``off``: no tools, or ``tool_choice:
+        "none"`` (the template is not shown the tools and the output is not parsed, as at OpenAI)."""
         choice = self.tool_choice
         if not self.tools or choice == "none":
             return "off", None
@@ -394,15 +378,11 @@ class ChatCompletionRequest(_Sampling):
         return ("required", None) if choice == "required" else ("auto", None)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template takes them (transformers' shape), or None."""
-        if self.tool_mode()[0] == "off":
-            return None
-        return [{"type": "function", "function": t.function.for_template()} for t in self.tools or []]
+        return None if self.tool_mode()[0] == "off" else _template_tools(self.tools or [])
 
     def tool_problem(self) -> tuple[str, str] | None:
         """(field, message) for tool fields that do not fit together, or None."""
-        tools = self.tools or []
-        names = [t.function.name for t in tools]
+        names = [t.function.name for t in self.tools or []]
         dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
         if dup is not None:
             return "tools", f"two tools are named {dup!r}; names must be unique"
@@ -422,7 +402,7 @@ class ChatCompletionRequest(_Sampling):
                 return "tool_choice", f"the function {fn['name']!r} is not among the tools (offered: {offered})"
         elif choice is not None and choice not in ("none", "auto", "required"):
             return "tool_choice", f'expected "none", "auto", "required" or a named function, got {choice!r}'
-        if choice not in (None, "none", "auto") and not tools:
+        if choice not in (None, "none", "auto") and not names:
             return "tool_choice", "a tool choice other than none/auto needs tools"
         if self.tool_mode()[0] in ("required", "named"):
             asked = "required" if choice == "required" else "naming a function"
@@ -436,16 +416,6 @@ class ChatCompletionRequest(_Sampling):
 
     def _wants_json(self) -> bool:
         return self.response_format is not None and self.response_format.get("type") != "text"
-
-    def grammar_sources(self) -> list[str]:
-        sources = [f for f in ("response_format", "regex", "ebnf") if getattr(self, f) is not None]
-        if "response_format" in sources and not self._wants_json():
-            sources.remove("response_format")
-        if len(sources) > 1:
-            raise ValidationError(
-                sources[1], f"send at most one of response_format, regex and ebnf (got {' and '.join(sources)})"
-            )
-        return sources
 
     def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
         sources = self.grammar_sources()
@@ -464,8 +434,7 @@ class ChatCompletionRequest(_Sampling):
 
     def params(self, index: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, index)
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, index)
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -507,50 +476,23 @@ class CompletionRequest(_Sampling):
 
 
 # ------------------------------------------------------------------ what is refused
-# A field's entry: (does this value ask for nothing?, what to tell the client). The value checks
-# see the whole request, for fields whose meaning depends on another (tool_choice without tools).
+# A field's entry: (does this value, seen with the whole request, ask for nothing?, what to tell the client).
 Check = Callable[[Any, Any], bool]
-
-
-def _absent(v: Any, body: Any) -> bool:
-    return v is None
-
-
-def _empty(v: Any, body: Any) -> bool:
-    return v is None or v == [] or v == {}
 
 
 def _one_of(*values: Any) -> Check:
     return lambda v, body: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
-# Features another change will implement. When one lands, delete its entry here and honour the
-# field (its type is already declared on the request model). Empty: every OpenAI field is honoured
-# or, in UNSUPPORTED, refused for good.
+# Features another change will implement: delete the entry when one lands and honour the field (its type is
+# already declared on the request model). Empty: every OpenAI field is honoured or, in UNSUPPORTED, refused for good.
 PENDING: dict[str, tuple[Check, str]] = {}
-
-# Fields of a chat message, refused (by ChatMessage.plain) unless empty.
-MESSAGE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "function_call": (
-        lambda v: v is None,
-        "the legacy function_call is not supported; send the call as tool_calls "
-        '([{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}])',
-    ),
-    "refusal": (lambda v: v is None, "refusals are not taken as input; send the text as content"),
-    "audio": (lambda v: v is None, "audio is not supported (text only); leave audio out"),
-}
-
-
-def _best_of(v: Any, body: Any) -> bool:
-    return v is None or v <= body.n  # below n is refused by refusal(), with its own message
-
 
 # What this server does not do, and no change plans to.
 UNSUPPORTED: dict[str, tuple[Check, str]] = {
-    # OpenAI's deprecated form of tools; its replies differ (message.function_call), so it is refused
-    # rather than half-mapped.
+    # OpenAI's deprecated form of tools; its replies differ (message.function_call), so it is refused, not half-mapped.
     "functions": (
-        _empty,
+        lambda v, body: v is None or v == [],
         'the legacy functions are not supported; send them as tools ([{"type": "function", '
         '"function": {...}}]) with tool_choice',
     ),
@@ -561,16 +503,16 @@ UNSUPPORTED: dict[str, tuple[Check, str]] = {
     "echo": (_one_of(False), "echoing the prompt is not supported; leave echo out or false"),
     "suffix": (_one_of(""), "suffixes (insertion) are not supported; leave suffix out"),
     "best_of": (
-        _best_of,
+        lambda v, body: v is None or v <= body.n,  # below n is refused by refusal(), with its own message
         "generating best_of candidates and returning the n best is not supported; leave best_of out or set it "
         "equal to n",
     ),
-    "audio": (_absent, "audio output is not supported (text only); leave audio out"),
+    "audio": (_one_of(), "audio output is not supported (text only); leave audio out"),
     "modalities": (_one_of(["text"]), 'only text output is supported; leave modalities out or send ["text"]'),
-    "prediction": (_absent, "predicted outputs are not supported; leave prediction out"),
-    "reasoning_effort": (_absent, "reasoning_effort is not supported; leave it out"),
-    "verbosity": (_absent, "verbosity is not supported; leave it out"),
-    "web_search_options": (_absent, "web search is not supported; leave web_search_options out"),
+    "prediction": (_one_of(), "predicted outputs are not supported; leave prediction out"),
+    "reasoning_effort": (_one_of(), "reasoning_effort is not supported; leave it out"),
+    "verbosity": (_one_of(), "verbosity is not supported; leave it out"),
+    "web_search_options": (_one_of(), "web search is not supported; leave web_search_options out"),
     "store": (_one_of(False), "this server stores no completions; leave store out or false"),
     "service_tier": (
         _one_of("auto", "default"),
@@ -591,14 +533,13 @@ def refusal(body: _Sampling) -> tuple[str, str] | None:
             if name in fields and not is_noop(getattr(body, name), body):
                 return name, message
     options = body.stream_options
-    if options is not None:
-        if not body.stream:
-            return "stream_options", "stream_options is only allowed with stream: true"
-        if options.include_obfuscation:
-            return (
-                "stream_options.include_obfuscation",
-                "this server does not pad streamed chunks; leave include_obfuscation out or false",
-            )
+    if options is not None and not body.stream:
+        return "stream_options", "stream_options is only allowed with stream: true"
+    if options is not None and options.include_obfuscation:
+        return (
+            "stream_options.include_obfuscation",
+            "this server does not pad streamed chunks; leave include_obfuscation out or false",
+        )
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
@@ -614,40 +555,38 @@ def refusal(body: _Sampling) -> tuple[str, str] | None:
     return None
 
 
-# ------------------------------------------------------------------ /tokenize, /detokenize
+# ------------------------------------------------------------------ /tokenize, /detokenize (vLLM's shapes)
 class TokenizeRequest(_Checked):
-    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages`` (through the chat template)."""
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` (through the chat template, with ``tools``)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    # Default: true for a prompt (as /v1/completions tokenizes it), false for messages (the chat
-    # template writes any BOS token itself, as /v1/chat/completions does).
+    # Default: true for a prompt (as /v1/completions tokenizes it), false for messages (the chat template
+    # writes any BOS token itself, as /v1/chat/completions does).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None  # messages only; default true
     return_token_strs: bool = False
-    tools: list[Tool] | None = None  # messages only: passed to the chat template, as chat completions do
+    tools: list[Tool] | None = None  # messages only
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if not self.tools:
-            return None
-        if self.messages is None:
+        if self.tools and self.messages is None:
             raise ValidationError("tools", "tools apply to messages only")
-        return [{"type": "function", "function": t.function.for_template()} for t in self.tools]
+        return _template_tools(self.tools) if self.tools else None
 
     def source(self) -> str | list[dict[str, Any]]:
         """The prompt, or the messages as the chat template takes them; refuses what does not fit together."""
         if (self.prompt is None) == (self.messages is None):
             raise ValidationError("prompt", "send either prompt (a string) or messages (a chat), not both or neither")
-        if self.messages is None:
-            if self.add_generation_prompt is not None:
-                raise ValidationError("add_generation_prompt", "add_generation_prompt applies to messages only")
-            return self.prompt or ""
-        return [m.plain(f"messages[{i}]") for i, m in enumerate(self.messages)]
+        if self.messages is not None:
+            return _plain(self.messages)
+        if self.add_generation_prompt is not None:
+            raise ValidationError("add_generation_prompt", "add_generation_prompt applies to messages only")
+        return self.prompt or ""
 
 
 class DetokenizeRequest(_Checked):
-    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+    """``POST /detokenize``: token ids back to text."""
 
     model: str | None = None
     tokens: list[int]
