@@ -1,27 +1,13 @@
 """Tool calling: the model's output parsed into OpenAI ``tool_calls``, whole or as it streams.
 
-A request's tools reach the model through its own chat template; what the model writes back is
-parsed here in the API process, by the parser of the model's call format:
-
-- ``hermes`` (Qwen2/2.5/3, Hermes, SmolLM2 and most ChatML models): each call is a block
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (a block may also hold a JSON list of
-  calls); text outside the blocks is the reply's content.
-- ``llama3`` (Llama 3.1+): the whole reply is the call, ``{"name": ..., "parameters": {...}}``,
-  optionally after ``<|python_tag|>``; several calls are separated by ``;`` or sent as a JSON list.
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` at the start of the reply
-  (the marker is a special token, usually skipped from the text, which leaves the JSON list).
-
-:func:`choose_parser` picks one from the chat template's text. A call whose JSON does not parse, or
-that names a function the request did not offer, stays text (content), never an error.
-
-With ``tool_choice`` ``required`` or naming a function, nothing is parsed from a free format: the
-request carries a JSON schema as its grammar (:func:`forced_schema`), so the model's raw output *is*
-the call (the named function's arguments, or a JSON list of ``{"name", "arguments"}``), and
-:class:`ForcedStream` wraps it as tool calls.
-
-Every parser is a stream (:class:`CallStream`): fed the text as it arrives, it returns events:
-content text, a call's head (id and name) and argument fragments. The whole-response form runs the
-same stream over the whole text, so a streamed reply and a non-streamed one always agree.
+The parser of the model's call format (:func:`choose_parser` reads it off the chat template): ``hermes`` (Qwen,
+Hermes, SmolLM2, most ChatML models): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (one may
+hold a JSON list), text outside them is content; ``llama3``: the whole reply is ``{"name": ..., "parameters": ...}``,
+maybe after ``<|python_tag|>``, several separated by ``;`` or as a JSON list; ``mistral``: ``[TOOL_CALLS][{...}]``
+(the marker is usually skipped from the text). A call that does not parse, or names a function the request did not
+offer, stays content. With ``tool_choice`` required or named, the request's grammar (:func:`forced_schema`) makes
+the raw output the call, which :class:`ForcedStream` wraps. Every parser is a stream fed text as it arrives; a whole
+reply runs the same stream, so streamed and non-streamed replies agree.
 """
 
 from __future__ import annotations
@@ -94,20 +80,18 @@ class CallStream:
                     self._after_call = False
                 body = text.rstrip()
                 self._held_ws = text[len(body) :]
-                if body:
-                    if out and out[-1][0] == "content":
-                        out[-1] = ("content", out[-1][1] + body)
-                    else:
-                        out.append(("content", body))
-            else:
-                if kind in ("call", "head"):
-                    self._dropping = self.max_calls is not None and self.calls >= self.max_calls
-                if self._dropping:
-                    continue
-                if kind in ("call", "head"):
+                if body and out and out[-1][0] == "content":
+                    out[-1] = ("content", out[-1][1] + body)
+                elif body:
+                    out.append(("content", body))
+                continue
+            if kind in ("call", "head"):
+                self._dropping = self.max_calls is not None and self.calls >= self.max_calls
+                if not self._dropping:
                     self._held_ws = ""
                     self._after_call = True
                     self.calls += 1
+            if not self._dropping:
                 out.append((kind, value))
         return out
 
@@ -123,8 +107,6 @@ def _held_prefix(text: str, marker: str) -> int:
 def _calls_from_json(value: Any, names: frozenset[str]) -> list[ToolCall] | None:
     """Calls from a decoded call object or list of them; None if any is not a call of a known tool."""
     items = value if isinstance(value, list) else [value]
-    if not items:
-        return None
     calls = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in names:
@@ -138,7 +120,7 @@ def _calls_from_json(value: Any, names: frozenset[str]) -> list[ToolCall] | None
         if not isinstance(args, dict):
             return None
         calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
-    return calls
+    return calls or None
 
 
 def _decode_all(text: str, separators: str = "") -> list[Any] | None:
@@ -176,16 +158,13 @@ class HermesStream(CallStream):
         while True:
             if not self.in_block:
                 at = self.buf.find(self.OPEN)
+                # Without a block: all but what may be the start of a marker is content.
+                cut = len(self.buf) - _held_prefix(self.buf, self.OPEN) if at < 0 else at
+                if cut:
+                    events.append(("content", self.buf[:cut]))
+                self.buf = self.buf[cut:]
                 if at < 0:
-                    keep = _held_prefix(self.buf, self.OPEN)  # may be the start of a marker
-                    cut = len(self.buf) - keep
-                    if cut:
-                        events.append(("content", self.buf[:cut]))
-                    self.buf = self.buf[cut:]
                     return events
-                if at:
-                    events.append(("content", self.buf[:at]))
-                self.buf = self.buf[at:]
                 self.in_block = True
             end = self.buf.find(self.CLOSE)
             if end < 0:
@@ -199,9 +178,7 @@ class HermesStream(CallStream):
         inner = block[len(self.OPEN) : len(block) - (len(self.CLOSE) if closed else 0)]
         values = _decode_all(inner)
         calls = _calls_from_json(values[0], self.names) if values and len(values) == 1 else None
-        if calls is None:
-            return [("content", block)]
-        return [("call", c) for c in calls]
+        return [("call", c) for c in calls] if calls else [("content", block)]
 
     def _finish(self) -> list[Event]:
         buf, self.buf = self.buf, ""
@@ -211,17 +188,14 @@ class HermesStream(CallStream):
 
 
 class JsonStartStream(CallStream):
-    """A reply that *is* the call(s): JSON from its start, optionally after a marker (Llama 3, Mistral).
+    """A reply that *is* the call(s): JSON from its start, maybe after a marker (Llama 3, Mistral). A reply that
+    starts otherwise is content, streamed as it comes; one that starts with the marker, ``{`` or ``[`` is held
+    until it ends, then parsed (content if it does not parse)."""
 
-    Whether the reply is a call is known from its first characters: one that starts otherwise is
-    content, streamed as it comes; one that starts with the marker, ``{`` or ``[`` is held until it
-    ends, then parsed (content if it does not parse).
-    """
-
-    def __init__(self, names: frozenset[str], markers: tuple[str, ...], separators: str):
+    def __init__(self, names: frozenset[str], marker: str, separators: str):
         super().__init__()
         self.names = names
-        self.markers = markers
+        self.marker = marker
         self.separators = separators
         self.buf = ""
         self.mode = "undecided"  # or "content" or "hold"
@@ -232,9 +206,9 @@ class JsonStartStream(CallStream):
         self.buf += text
         if self.mode == "undecided":
             head = self.buf.lstrip()
-            if not head or any(m.startswith(head) for m in self.markers):
-                return []  # only whitespace, or the start of a marker so far
-            if head[0] in "{[" or any(head.startswith(m) for m in self.markers):
+            if not head or self.marker.startswith(head):
+                return []  # only whitespace, or the start of the marker so far
+            if head[0] in "{[" or head.startswith(self.marker):
                 self.mode = "hold"
                 return []
             self.mode = "content"
@@ -246,22 +220,14 @@ class JsonStartStream(CallStream):
         buf, self.buf = self.buf, ""
         if not buf:
             return []
-        body = buf.strip()
-        for marker in self.markers:
-            if body.startswith(marker):
-                body = body[len(marker) :]
-                break
-        values = _decode_all(body, self.separators) if self.mode != "content" else None
-        calls: list[ToolCall] | None = []
-        for value in values or []:
-            found = _calls_from_json(value, self.names)
-            if found is None or calls is None:
-                calls = None
-                break
-            calls += found
-        if not values or not calls:
+        values = _decode_all(buf.strip().removeprefix(self.marker), self.separators) if self.mode != "content" else None
+        found = [_calls_from_json(value, self.names) for value in values or []]
+        if not found or any(calls is None for calls in found):
             return [("content", buf)]
-        return [("call", c) for c in calls]
+        return [("call", c) for calls in found for c in calls or []]
+
+
+_JSON_START = {"llama3": ("<|python_tag|>", ";"), "mistral": ("[TOOL_CALLS]", "")}  # marker, separators
 
 
 def make_stream(parser: str, names: Iterable[str], parallel: bool = True) -> CallStream:
@@ -270,10 +236,8 @@ def make_stream(parser: str, names: Iterable[str], parallel: bool = True) -> Cal
     stream: CallStream
     if parser == "hermes":
         stream = HermesStream(known)
-    elif parser == "llama3":
-        stream = JsonStartStream(known, ("<|python_tag|>",), ";")
-    elif parser == "mistral":
-        stream = JsonStartStream(known, ("[TOOL_CALLS]",), "")
+    elif parser in _JSON_START:
+        stream = JsonStartStream(known, *_JSON_START[parser])
     else:
         raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
     stream.max_calls = None if parallel else 1
@@ -281,12 +245,8 @@ def make_stream(parser: str, names: Iterable[str], parallel: bool = True) -> Cal
 
 
 def choose_parser(chat_template: str | None, setting: str = "auto") -> str:
-    """The call format of a model, from its chat template's text (``setting`` other than auto wins).
-
-    The template writes the calls of earlier turns in the format the model was trained on, so the
-    markers it mentions name the format; a template that mentions none gets ``hermes``, the most
-    common format (and SmolLM2's).
-    """
+    """The call format of a model (``setting`` other than auto wins). The template writes earlier turns' calls
+    in the format the model was trained on, so its markers name it; with none, ``hermes`` (the most common)."""
     if setting != "auto":
         if setting not in PARSERS:
             raise ValueError(f"unknown tool-call parser {setting!r}; known: auto, {', '.join(PARSERS)}")
@@ -308,12 +268,10 @@ def function_parameters(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def forced_schema(functions: list[dict[str, Any]], named: str | None, parallel: bool) -> dict[str, Any]:
-    """The JSON schema the reply must follow: the named function's parameters, or (``required``) a
-    non-empty list of ``{"name", "arguments"}`` calls of the offered functions (one at most unless
-    ``parallel``)."""
+    """The JSON schema the reply must follow: the named function's parameters, or (``required``) a non-empty
+    list of ``{"name", "arguments"}`` calls of the offered functions (one at most unless ``parallel``)."""
     if named is not None:
-        fn = next(f for f in functions if f["name"] == named)
-        return function_parameters(fn)
+        return function_parameters(next(f for f in functions if f["name"] == named))
     options = [
         {
             "type": "object",
@@ -331,12 +289,8 @@ def forced_schema(functions: list[dict[str, Any]], named: str | None, parallel: 
 
 
 class ForcedStream(CallStream):
-    """The raw output of a request whose grammar forces the call (``tool_choice`` required or named).
-
-    Named: the output is the function's arguments; the call's head goes out first, then the
-    arguments as they are generated. Required: the output is a JSON list of calls, parsed when it ends
-    (content, if cut short by ``max_tokens``).
-    """
+    """The raw output of a request whose grammar forces the call. Named: the output is the function's arguments,
+    streamed after the call's head. Required: a JSON list of calls, parsed at the end (content if cut short)."""
 
     def __init__(self, named: str | None, names: Iterable[str]):
         super().__init__()
@@ -346,14 +300,12 @@ class ForcedStream(CallStream):
         self.started = False
 
     def _feed(self, text: str) -> list[Event]:
-        if self.named is not None:
-            events: list[Event] = []
-            if not self.started:
-                self.started = True
-                events.append(("head", ToolCall(self.named, "")))
-            return [*events, ("args", text)]
-        self.buf += text
-        return []
+        if self.named is None:
+            self.buf += text
+            return []
+        events: list[Event] = [] if self.started else [("head", ToolCall(self.named, ""))]
+        self.started = True
+        return [*events, ("args", text)]
 
     def _finish(self) -> list[Event]:
         if self.named is not None:
@@ -381,28 +333,23 @@ def collect_events(events: Iterable[Event]) -> tuple[str | None, list[ToolCall]]
         elif kind == "args" and calls:
             calls[-1].arguments += value
     text = "".join(content)
-    if calls and not text.strip():
-        return None, calls
-    return text, calls
+    return (None if calls and not text.strip() else text), calls
 
 
 def parse_whole(stream: CallStream, text: str) -> tuple[str | None, list[ToolCall]]:
     return collect_events([*stream.feed(text), *stream.finish()])
 
 
-# ------------------------------------------------------------------ history for the template
 def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` as chat templates take them: arguments as an object
-    (transformers' convention; templates write them with ``tojson``), the id kept."""
+    """An assistant message's ``tool_calls`` as chat templates take them: arguments as an object when they
+    decode to one (transformers' convention; templates write them with ``tojson``), the id kept."""
     out = []
     for call in calls:
         fn = call["function"]
-        args: Any = fn["arguments"]
         try:
-            decoded = json.loads(args)
-            if isinstance(decoded, dict):
-                args = decoded
+            decoded = json.loads(fn["arguments"])
         except ValueError:
-            pass
+            decoded = None
+        args = decoded if isinstance(decoded, dict) else fn["arguments"]
         out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
