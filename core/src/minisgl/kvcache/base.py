@@ -1,4 +1,4 @@
-"""Interfaces of the KV cache pool and the prefix cache."""
+"""Interfaces of the KV pool and the prefix cache (the full contract: docs/plugin-contracts.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ class KVLayout:
         return self.num_pages * self.page_size
 
     def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 class BaseKVPool(ABC):
@@ -42,7 +41,7 @@ class BaseKVPool(ABC):
 
     @abstractmethod
     def k_cache(self, layer: int) -> torch.Tensor:
-        """Keys of one layer, shaped ``[num_pages, page_size, num_kv_heads, head_dim]``."""
+        """Keys of one layer, ``[num_pages, page_size, num_kv_heads, head_dim]``."""
 
     @abstractmethod
     def v_cache(self, layer: int) -> torch.Tensor:
@@ -55,12 +54,7 @@ class BaseKVPool(ABC):
 
 @dataclass
 class PrefixMatch:
-    """Result of :meth:`BasePrefixCache.match_prefix`.
-
-    ``slots`` holds the KV slots of the first ``len(slots)`` tokens (a multiple
-    of the page size); ``handle`` is what :meth:`BasePrefixCache.lock` and
-    :meth:`BasePrefixCache.unlock` take.
-    """
+    """``slots`` of the first ``len(slots)`` tokens (page-aligned); ``handle`` is what lock/unlock take."""
 
     handle: Any
     slots: torch.Tensor
@@ -71,17 +65,12 @@ class PrefixMatch:
 
 
 class BasePrefixCache(ABC):
-    """Maps token prefixes to KV slots so later requests can skip computing them.
-
-    All lengths are multiples of ``page_size``. Slots the cache owns are whole
-    pages; the cache never frees anything itself: :meth:`evict` returns the
-    slots it gave up and the caller returns their pages to the allocator.
-    """
+    """Maps page-aligned token prefixes to the KV slots it owns (whole pages). It never frees anything:
+    :meth:`evict` returns the slots it gave up and the caller returns their pages to the allocator."""
 
     page_size: int
-    #: Whether inserted prefixes are matched later. The scheduler holds a request back for a step
-    #: when another request of the batch is computing a longer prefix of it, which only pays off
-    #: for a cache that keeps what it is given.
+    #: Whether inserted prefixes are matched later; only then does the scheduler hold a request back
+    #: for a step while another request of the batch computes a longer prefix of it.
     reuses_prefixes: bool = True
 
     @abstractmethod
@@ -98,12 +87,8 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
-        """Offer ``token_ids`` (page-aligned length) with their ``slots`` to the cache.
-
-        Returns ``n``: the cache keeps ``slots[n:]`` and takes ownership of them;
-        ``slots[:n]`` were not taken (the cache already held those tokens, or it
-        keeps nothing), so the caller still owns those it did not get from a match.
-        """
+        """Offer page-aligned ``token_ids`` with their ``slots``; returns ``n``: the cache now owns
+        ``slots[n:]``, the caller keeps ``slots[:n]`` (tokens already held, or a cache that keeps nothing)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> torch.Tensor:

@@ -1,29 +1,11 @@
-"""Page accounting: the free list, the request-to-slot table and the prefix cache.
+"""Page accounting: the free list, the host request-to-slot table and the prefix cache.
 
-Every page of the pool is, at any time, exactly one of: free, owned by the
-prefix cache, or owned by one live request. Page 0 is a scratch page that is
-never handed out (padded batch entries write there), so ``num_pages - 1`` pages
-are usable. :meth:`KVCacheManager.check_accounting` verifies all of this.
-
-Admission reserves, for every running request, the pages it can still need
-(prompt plus ``max_new_tokens``); a request is admitted only when free plus
-evictable pages cover every reservation, so a running request never runs out
-of memory mid-generation and nothing has to be preempted.
-
-Prefix caching: admission matches the longest cached page-aligned prefix of the
-prompt (minus its last token, whose logits start decoding), locks it and maps
-its slots into the request's table row, so prefill computes only the rest.
-When a request finishes (or is aborted) its computed page-aligned tokens are
-offered to the cache and the lock is dropped. Requests still running share
-too: before each admission, the computed page-aligned prompt prefix of every
-running request is offered to the cache (:meth:`KVCacheManager._share_prefix`),
-so a burst of requests with a common system prompt computes it once rather
-than once per request admitted before the first one finishes.
-
-The scheduler owns the manager and its page table, which lives on the host only.
-Each step the scheduler hands the engine the table entries written since the
-last step (:meth:`KVCacheManager.take_new_entries`); the engine mirrors them into
-its device table. Nothing flows back.
+Every usable page is free, owned by the prefix cache, or owned by one live request; page 0 is scratch
+(padded entries write there). Admission reserves each request's worst case (prompt plus
+``max_new_tokens``), so nothing is ever preempted. A request maps its prompt's longest cached prefix
+(minus the last token, whose logits start decoding) and, while running, offers its computed prompt pages
+to the cache, so a burst with a shared system prompt computes it once. The engine mirrors the table
+entries of :meth:`KVCacheManager.take_new_entries` into its device table; nothing flows back.
 """
 
 from __future__ import annotations
@@ -54,14 +36,7 @@ class _RowState:
 class KVCacheManager:
     """Allocates KV slots to requests and hands finished prefixes to the prefix cache."""
 
-    def __init__(
-        self,
-        num_pages: int,
-        page_size: int,
-        max_reqs: int,
-        max_seq_len: int,
-        cache: BasePrefixCache,
-    ):
+    def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_seq_len: int, cache: BasePrefixCache):
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
         self.num_pages = num_pages
@@ -75,7 +50,6 @@ class KVCacheManager:
         self._rows: dict[int, _RowState] = {}
         self._reserved_total = 0
 
-    # ----------------------------------------------------------------- capacity
     @property
     def usable_pages(self) -> int:
         return self.num_pages - 1
@@ -108,7 +82,6 @@ class KVCacheManager:
         """Whether ``req`` could run on an otherwise empty pool."""
         return self.pages_for(req.max_total_len) <= self.usable_pages and req.max_total_len <= self.max_seq_len
 
-    # --------------------------------------------------------------- admission
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids`` the prefix cache could serve now (page-aligned)."""
         for row, state in self._rows.items():
@@ -142,15 +115,9 @@ class KVCacheManager:
         return True
 
     def _share_prefix(self, row: int, state: _RowState) -> None:
-        """Offer a running request's computed page-aligned prompt prefix to the cache.
-
-        If the cache takes it, the request's lock moves to the longer prefix, as
-        if the request had matched all of it at admission; its pages now belong
-        to the cache. A request whose tokens the cache already holds in other
-        pages (two requests computed the same prompt at once) keeps its own
-        copy until it finishes: switching its row to the cache's pages would
-        change slots a device-side page table has already been given.
-        """
+        """Offer a running request's computed page-aligned prompt prefix to the cache; if taken, the lock
+        moves to it, as if matched at admission. A prompt the cache already holds in other pages (computed
+        twice at once) stays the request's own: the device table already has its slots."""
         req = state.req
         end = min(req.cached_len, req.prompt_len)
         end -= end % self.page_size
@@ -221,7 +188,6 @@ class KVCacheManager:
             pages = (slots[:: self.page_size] // self.page_size).tolist()
             self._free_pages.extend(int(p) for p in pages)
 
-    # ----------------------------------------------------------------- release
     def release(self, req: Req) -> None:
         """Return ``req``'s row and pages; its computed prefix goes to the prefix cache."""
         if req.table_idx < 0:
@@ -248,7 +214,6 @@ class KVCacheManager:
         """Evict everything unlocked from the prefix cache."""
         self._return_slots(self.cache.reset())
 
-    # -------------------------------------------------------------- accounting
     def check_accounting(self, live: list[Req]) -> None:
         """Assert that every usable page is free, cached, or owned by one live request."""
         owner: dict[int, str] = {}

@@ -1,7 +1,6 @@
 """Tensor-parallel building blocks that model files are assembled from."""
 
-from .attention import AttentionBlock
-from .context import ForwardContext
+from .attention import AttentionBlock, ForwardContext
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     ColumnParallelLinear,

@@ -1,18 +1,30 @@
-"""Self-attention with rotary embedding over the paged KV cache."""
+"""Self-attention with rotary embedding over the paged KV cache, and what a forward pass is given."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..core import Batch
 from ..distributed import Communicator, TPInfo
 from ..kernel import KernelSet, select_kernels
-from .context import ForwardContext
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
+
+if TYPE_CHECKING:  # the backend is built above this floor; layers only call it
+    from ..attention import BaseAttnBackend
+
+
+@dataclass
+class ForwardContext:
+    """The batch being run and the attention backend to run it with, passed explicitly."""
+
+    batch: Batch
+    attn: BaseAttnBackend
 
 
 class AttentionBlock(nn.Module):
@@ -33,20 +45,16 @@ class AttentionBlock(nn.Module):
         kernels: KernelSet | None = None,
     ):
         super().__init__()
-        kernels = kernels or select_kernels(device, dtype)
-        hidden = config.hidden_size
-        heads = config.num_attention_heads
+        kw: dict[str, Any] = {"dtype": dtype, "device": device, "kernels": kernels or select_kernels(device, dtype)}
+        hidden, heads = config.hidden_size, config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        self.head_dim = head_dim = getattr(config, "head_dim", None) or hidden // heads
         self.layer_id = layer_id
-        self.head_dim = head_dim
-        kw: dict[str, Any] = {"dtype": dtype, "device": device, "kernels": kernels}
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, **kw)
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, **kw)
-        eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(head_dim, eps, **kw) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps, **kw) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, **kw) if qk_norm else None
         self.rotary = rotary  # shared by every layer: one cos/sin table per model
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

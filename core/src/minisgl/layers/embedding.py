@@ -32,9 +32,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.local_vocab = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.local_vocab
-        self.weight = nn.Parameter(
-            torch.zeros(self.local_vocab, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        weight = torch.zeros(self.local_vocab, hidden_size, dtype=dtype, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         set_loader(self.weight, self.load_weight)
         self.kernels = kernels or select_kernels(device, self.weight.dtype)  # the LM head's GEMM
 

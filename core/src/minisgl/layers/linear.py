@@ -1,12 +1,9 @@
 """Tensor-parallel linear layers.
 
-Every parameter carries a ``weight_loader(param, tensor, shard_id=None)`` that
-copies this rank's slice of a full checkpoint tensor, so model files never deal
-with sharding. ``shard_id`` selects a part of a fused weight ("q"/"k"/"v" or
-the index of a merged column block). A fused weight also loads from one
-checkpoint tensor that already holds every part, in order (``qkv_proj`` of
-``[q; k; v]``, ``gate_up_proj`` of ``[gate; up]``, as Phi-3 stores them), given
-with no ``shard_id``.
+Every parameter carries ``weight_loader(param, tensor, shard_id=None)``, which copies this rank's slice of
+a full checkpoint tensor, so model files never deal with sharding. ``shard_id`` picks a part of a fused
+weight ("q"/"k"/"v", or a merged block's index); without one, a fused weight loads from one tensor holding
+every part in order (``[q; k; v]``, ``[gate; up]``, as Phi-3 stores them).
 """
 
 from __future__ import annotations
@@ -38,27 +35,47 @@ def _param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) 
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _load_rows(param: nn.Parameter, part: torch.Tensor, offset: int, size: int) -> None:
+    target = param.data.narrow(0, offset, size)
+    if target.shape != part.shape:
+        raise ValueError(f"checkpoint slice has shape {tuple(part.shape)}, expected {tuple(target.shape)}")
+    target.copy_(part)
+
+
 class LinearBase(nn.Module):
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        bias: bool,
-        dtype: torch.dtype | None,
-        device: torch.device | None,
+        bias: bool = False,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
         kernels: KernelSet | None = None,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        set_loader(self.weight, self.load_weight)
-        if self.bias is not None:
-            set_loader(self.bias, self.load_weight)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                set_loader(param, self.load_weight)
         self.kernels = kernels or select_kernels(device, self.weight.dtype)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_loader(param, loaded)
+
+    def _load_parts(self, param: nn.Parameter, loaded: torch.Tensor, parts: dict[Any, int], what: str) -> None:
+        """Load one checkpoint tensor holding every part of a fused weight (in order) part by part."""
+        total = sum(parts.values())
+        if loaded.shape[0] != total:
+            raise ValueError(
+                f"a fused weight of {what} got a tensor of shape {tuple(loaded.shape)} and no shard_id: give "
+                f"either the whole fused tensor ({total} rows, parts in order) or each part with its shard_id "
+                f"{', '.join(map(repr, parts))}; the model's stacked_params map checkpoint names to shard ids"
+            )
+        for shard_id, part in zip(parts, loaded.split(list(parts.values())), strict=True):
+            self.load_weight(param, part, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.weight, self.bias)
@@ -67,64 +84,33 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """The same full weight on every rank."""
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, *, dtype=None, device=None, kernels=None
-    ):
-        super().__init__(in_features, out_features, bias, dtype, device, kernels)
-
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; the output stays sharded.
-
-    ``output_sizes`` lists the blocks of a merged weight (e.g. gate and up);
-    each block is split across ranks separately.
-    """
+    """Output features split across ranks (the output stays sharded); each block of ``output_sizes``
+    (e.g. gate and up of a merged weight) is split separately."""
 
     def __init__(
-        self,
-        in_features: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        *,
-        tp: TPInfo = TPInfo(),
-        dtype=None,
-        device=None,
-        kernels=None,
+        self, in_features: int, output_sizes: list[int], bias: bool = False, *, tp: TPInfo = TPInfo(), **kw: Any
     ):
         self.tp = tp
         self.output_sizes = list(output_sizes)
         self.local_sizes = [tp.shard(s, "linear output size") for s in output_sizes]
-        super().__init__(in_features, sum(self.local_sizes), bias, dtype, device, kernels)
+        super().__init__(in_features, sum(self.local_sizes), bias, **kw)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None and len(self.local_sizes) > 1:
-            # One checkpoint tensor holding every block, in order: load each block as if given alone.
-            total = sum(self.output_sizes)
-            if loaded.shape[0] != total:
-                raise ValueError(
-                    f"a merged column-parallel weight of {len(self.output_sizes)} blocks {self.output_sizes} "
-                    f"got a tensor of shape {tuple(loaded.shape)} and no shard_id: give either the whole fused "
-                    f"tensor ({total} rows, blocks in order) or each block with its shard_id "
-                    f"0..{len(self.output_sizes) - 1} (the model's stacked_params map checkpoint names to shard ids)"
-                )
-            for index, part in enumerate(loaded.split(self.output_sizes, dim=0)):
-                self.load_weight(param, part, index)
-            return
+            blocks = f"{len(self.output_sizes)} blocks {self.output_sizes}"
+            return self._load_parts(param, loaded, dict(enumerate(self.output_sizes)), blocks)
         index = 0 if shard_id is None else int(shard_id)
         if not 0 <= index < len(self.local_sizes):
             raise ValueError(f"shard_id {shard_id!r} is out of range: this weight has {len(self.local_sizes)} blocks")
         size = self.local_sizes[index]
-        offset = sum(self.local_sizes[:index])
-        part = loaded.narrow(0, self.tp.rank * size, size)
-        default_loader_slice(param, part, offset, size)
+        _load_rows(param, loaded.narrow(0, self.tp.rank * size, size), sum(self.local_sizes[:index]), size)
 
 
 class QKVParallelLinear(LinearBase):
-    """Fused q/k/v projection with heads split across ranks.
-
-    With fewer KV heads than ranks, KV heads are replicated: rank ``r`` holds
-    KV head ``r * num_kv_heads // tp.size``.
-    """
+    """Fused q/k/v projection, heads split across ranks; with fewer KV heads than ranks, rank ``r`` holds
+    a copy of KV head ``r * num_kv_heads // tp.size``."""
 
     def __init__(
         self,
@@ -135,9 +121,7 @@ class QKVParallelLinear(LinearBase):
         bias: bool = False,
         *,
         tp: TPInfo = TPInfo(),
-        dtype=None,
-        device=None,
-        kernels=None,
+        **kw: Any,
     ):
         self.tp = tp
         self.head_dim = head_dim
@@ -154,33 +138,19 @@ class QKVParallelLinear(LinearBase):
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         q, kv = self.local_heads * head_dim, self.local_kv_heads * head_dim
         self.sizes = {"q": q, "k": kv, "v": kv}
+        self.offsets = {"q": 0, "k": q, "v": q + kv}
         self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(hidden_size, q + 2 * kv, bias, dtype, device, kernels)
+        super().__init__(hidden_size, q + 2 * kv, bias, **kw)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        full = self.full_sizes
         if shard_id is None:
-            # One checkpoint tensor holding q, k and v, in that order: load each part as if given alone.
-            total = sum(full.values())
-            if loaded.shape[0] != total:
-                raise ValueError(
-                    f"a fused QKV weight (q {full['q']}, k {full['k']}, v {full['v']} rows) got a tensor of shape "
-                    f"{tuple(loaded.shape)} and no shard_id: give either the whole fused tensor ({total} rows, "
-                    "q then k then v) or q, k and v separately with shard_id 'q', 'k', 'v' "
-                    "(the model's stacked_params map checkpoint names to shard ids)"
-                )
-            for sid, part in zip(full, loaded.split(list(full.values()), dim=0), strict=True):
-                self.load_weight(param, part, sid)
-            return
+            rows = ", ".join(f"{k} {n}" for k, n in self.full_sizes.items())
+            return self._load_parts(param, loaded, self.full_sizes, f"q, k, v ({rows} rows)")
         if shard_id not in self.sizes:
             raise ValueError(f"QKV weight needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
         size = self.sizes[shard_id]
-        offset = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}[shard_id]
-        if shard_id == "q":
-            start = self.tp.rank * size
-        else:
-            start = self.kv_head_start * self.head_dim
-        default_loader_slice(param, loaded.narrow(0, start, size), offset, size)
+        start = self.tp.rank * size if shard_id == "q" else self.kv_head_start * self.head_dim
+        _load_rows(param, loaded.narrow(0, start, size), self.offsets[shard_id], size)
 
 
 class RowParallelLinear(LinearBase):
@@ -194,38 +164,32 @@ class RowParallelLinear(LinearBase):
         *,
         tp: TPInfo = TPInfo(),
         comm: Communicator | None = None,
-        dtype=None,
-        device=None,
-        kernels=None,
+        **kw: Any,
     ):
         self.tp = tp
         self.comm = comm or SingleCommunicator()
         self._fp32_mm_ok: bool | None = None  # probed on first use
-        super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, dtype, device, kernels)
+        super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, **kw)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if param.dim() == 2:
-            size = param.shape[1]
-            loaded = loaded.narrow(1, self.tp.rank * size, size)
+            loaded = loaded.narrow(1, self.tp.rank * param.shape[1], param.shape[1])
         default_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.kernels.linear(x, self.weight, self.bias)
-        partial = self._partial_fp32(x) if self._reduce_fp32 else None
+        w = self.weight
+        partial = self._partial_fp32(x) if w.dtype in (torch.bfloat16, torch.float16) and w.is_cuda else None
         if partial is not None:
             # Partial sums stay float32 through the all-reduce and are rounded once, as a
             # single-rank product is: bf16 results then match tp=1 far more closely.
             y = self.comm.all_reduce(partial).to(x.dtype)
         else:
-            y = self.comm.all_reduce(F.linear(x, self.weight))
+            y = self.comm.all_reduce(F.linear(x, w))
         if self.bias is not None:
             y = y + self.bias
         return y
-
-    @property
-    def _reduce_fp32(self) -> bool:
-        return self.weight.dtype in (torch.bfloat16, torch.float16) and self.weight.is_cuda
 
     def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ weight.T`` accumulated and returned in float32 (``mm`` with ``out_dtype``; CUDA only)."""
@@ -239,10 +203,3 @@ class RowParallelLinear(LinearBase):
             return None
         self._fp32_mm_ok = True
         return y.view(*x.shape[:-1], y.shape[-1])
-
-
-def default_loader_slice(param: nn.Parameter, part: torch.Tensor, offset: int, size: int) -> None:
-    target = param.data.narrow(0, offset, size)
-    if target.shape != part.shape:
-        raise ValueError(f"checkpoint slice has shape {tuple(part.shape)}, expected {tuple(target.shape)}")
-    target.copy_(part)

@@ -1,9 +1,5 @@
-"""Rotary position embedding (the "rotate half" form used by Llama and Qwen).
-
-Partial rotary (``partial_rotary_factor`` < 1, as in Phi-3 and Phi-4-mini) rotates
-only the first ``int(head_dim * factor)`` dimensions of each head and passes the
-rest through, as transformers does.
-"""
+"""Rotary position embedding, the "rotate half" form (Llama, Qwen); with ``partial_rotary_factor`` < 1
+(Phi-3) only the first ``int(head_dim * factor)`` dimensions of each head rotate, as in transformers."""
 
 from __future__ import annotations
 
@@ -19,25 +15,16 @@ from .norm import RMSNorm
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def _model_name(config: Any) -> str:
-    archs = getattr(config, "architectures", None) or []
-    return str(archs[0] if archs else getattr(config, "model_type", None) or type(config).__name__)
-
-
 def rope_parameters(config: Any) -> dict[str, Any]:
-    """Rope settings from a Hugging Face config, across config styles (old and new).
-
-    ``partial_rotary_factor`` is read from ``rope_parameters`` (transformers 5) or the
-    config root (older configs). A setting the core cannot honour raises ``ValueError``
-    naming the model and the setting, rather than loading a model that computes the
-    wrong thing.
-    """
+    """Rope settings of a Hugging Face config, old style or new (``rope_parameters``, transformers 5); a
+    setting the core cannot honour raises ``ValueError`` naming the model and the setting."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params.setdefault("rope_type", params.pop("type", "default"))
     if params.get("partial_rotary_factor") is None:
         params["partial_rotary_factor"] = getattr(config, "partial_rotary_factor", None) or 1.0
-    model = _model_name(config)
+    archs = getattr(config, "architectures", None) or []
+    model = str(archs[0] if archs else getattr(config, "model_type", None) or type(config).__name__)
     kind = params["rope_type"] or "default"
     if kind not in ROPE_TYPES:
         raise ValueError(
@@ -90,15 +77,11 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type '{kind}'; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope scaling type '{kind}'; supported: {', '.join(ROPE_TYPES)}")
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table indexed by position, shared by every layer of a model.
-
-    With ``partial_rotary_factor`` < 1 in ``params`` only the first ``rotary_dim``
-    dimensions of each head are rotated; the others pass through unchanged.
-    """
+    """Precomputed cos/sin table indexed by position, shared by every layer of a model."""
 
     def __init__(
         self, head_dim: int, max_position: int, params: dict[str, Any], *, device=None, kernels: KernelSet | None = None
@@ -114,23 +97,16 @@ class RotaryEmbedding(nn.Module):
         self.kernels = kernels or select_kernels(device, torch.float32)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: ``[tokens, heads, head_dim]``, ``k``: ``[tokens, kv_heads, head_dim]``; with ``qk_norm``
-        each head is first normalised by those RMSNorm layers. Returns new tensors."""
+        """New ``q`` ``[tokens, heads, head_dim]`` and ``k`` ``[tokens, kv_heads, head_dim]``, each head
+        first normalised by ``qk_norm``'s RMSNorm layers if given."""
         norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
         r = self.rotary_dim
         if r == self.head_dim:
             return self.kernels.rope(positions, q, k, self.cos_sin, norms)
         if norms is not None:  # over the whole head, before rope (as transformers does)
             q, k = rms_norm(q, norms[0], norms[2]), rms_norm(k, norms[1], norms[2])
-        q_rot, k_rot = self.kernels.rope(
-            positions, q[..., :r].contiguous(), k[..., :r].contiguous(), self.cos_sin, None
-        )
-        return torch.cat([q_rot, q[..., r:].to(q_rot.dtype)], dim=-1), torch.cat(
-            [k_rot, k[..., r:].to(k_rot.dtype)], dim=-1
-        )
+        q_part, k_part = q[..., :r].contiguous(), k[..., :r].contiguous()
+        q_rot, k_rot = self.kernels.rope(positions, q_part, k_part, self.cos_sin, None)
+        return torch.cat([q_rot, q[..., r:].to(q_rot.dtype)], -1), torch.cat([k_rot, k[..., r:].to(k_rot.dtype)], -1)
