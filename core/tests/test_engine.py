@@ -108,9 +108,11 @@ def test_sampling_params_validation() -> None:
 def test_unknown_components_name_what_is_installed(tiny_dir, registry) -> None:
     with pytest.raises(
         UnknownComponentError,
-        match=r"unknown attention backend 'flashinfr'; installed: cpu \(minisgl\), torch \(minisgl\)",
+        match=r"unknown attention backend 'flashinfr'; installed: torch \(minisgl\)",
     ):
         LLM(str(tiny_dir), registry=registry, attention_backend="flashinfr")
+    with pytest.raises(UnknownComponentError, match=r"unknown kernel set 'nativ'; installed: torch \(minisgl\)"):
+        LLM(str(tiny_dir), registry=registry, kernels="nativ")
     # A name no active plugin provides: no install hint for a package that may not exist, a pointer to the listing.
     with pytest.raises(UnknownComponentError, match="unknown attention backend 'fa'.*`minisgl plugins` lists") as err:
         LLM(str(tiny_dir), registry=registry, attention_backend="fa")

@@ -15,9 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: "auto": the fastest kernels the device has (Triton on CUDA, the native C kernels on CPU);
-#: "torch": plain PyTorch everywhere (the reference, and for ablations).
-KERNEL_SETS = ("auto", "torch")
 
 
 def device_defaults(device: str) -> dict[str, int]:
@@ -48,8 +45,8 @@ class EngineFields(BaseModel):
     prefix_cache: str = Field("auto", description="prefix cache (e.g. naive, radix); auto = best installed")
     kv_pool: str = Field("mha", description="KV cache pool layout")
     moe_backend: str = Field("auto", description="mixture-of-experts backend (MoE models only)")
-    kernels: Literal["auto", "torch"] = Field(
-        "auto", description="layer kernels: auto = Triton on CUDA, native C on CPU; torch = plain PyTorch"
+    kernels: str = Field(
+        "auto", description="layer kernel set (e.g. torch, native, triton); auto = best installed for the device"
     )
     page_size: int = Field(16, ge=1, description="tokens per KV cache page")
     max_running_requests: int | None = Field(

@@ -7,12 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from minisgl_plugin_cpu import attention as cpu_backend
+from minisgl_plugin_cpu.attention import CPUAttnBackend
+from minisgl_plugin_cpu.native import load_cpu_kernels
 
-from minisgl.attention import AttentionContext, cpu_backend
-from minisgl.attention.cpu_backend import CPUAttnBackend
+from minisgl.attention import AttentionContext
 from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.kernel.cpu import load_cpu_kernels
 from minisgl.kvcache import KVLayout, MHAKVPool
 from minisgl.plugins import Unsupported
 

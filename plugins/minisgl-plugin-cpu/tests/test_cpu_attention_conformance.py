@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from minisgl_plugin_cpu.attention import CPUAttnBackend
+from minisgl_plugin_cpu.native import load_cpu_kernels
 
-from minisgl.attention.cpu_backend import CPUAttnBackend
-from minisgl.kernel.cpu import load_cpu_kernels
 from minisgl.plugins import PluginRegistry, load_plugins
 from minisgl.testing.attention import AttentionBackendConformance
 
@@ -16,4 +16,4 @@ class TestCPUBackendConformance(AttentionBackendConformance):
     backend = CPUAttnBackend
 
     def load_registry(self) -> PluginRegistry:
-        return load_plugins(only=["builtin"])
+        return load_plugins(only=["builtin", "cpu"])

@@ -1,4 +1,4 @@
-"""The native CPU kernels (minisgl.kernel.cpu) against PyTorch, and how they are built and found."""
+"""The native CPU kernels (minisgl_plugin_cpu.native) against PyTorch, and how they are built and found."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from minisgl_plugin_cpu import native as cpu
+from minisgl_plugin_cpu.kernels import NativeCPUKernels
 
 from minisgl import LLM, SamplingParams
-from minisgl.kernel import KernelSet, NativeCPUKernels, cpu, select_kernels
+from minisgl.kernel import KernelSet, select_kernels
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.testing.models import random_prompts
 
@@ -183,8 +185,9 @@ def test_silu_mul(kernels, m: int, n: int, layout: str) -> None:
 def test_rope_equals_the_pytorch_path(kernels, qk_norm: bool, head_dim: int, layout: str) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     tokens, hq, hkv = 7, 6, 2
-    rope = RotaryEmbedding(head_dim, 512, {"rope_theta": 10000.0, "rope_type": "default"})
-    assert isinstance(rope.kernels, NativeCPUKernels)
+    rope = RotaryEmbedding(
+        head_dim, 512, {"rope_theta": 10000.0, "rope_type": "default"}, kernels=NativeCPUKernels(kernels)
+    )
     width = (hq + 2 * hkv) * head_dim
     qkv = torch.randn(tokens, width, generator=gen) if layout == "row" else _column_major(tokens, width, gen)
     q = qkv[:, : hq * head_dim].reshape(tokens, hq, head_dim)
@@ -254,13 +257,13 @@ def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch) -> None:
     assert not any(tmp_path.iterdir()), "a failed build leaves nothing behind"
 
 
-def test_without_a_working_compiler_layers_fall_back(monkeypatch, tmp_path, caplog, fresh_loader) -> None:
+def test_without_a_working_compiler_auto_takes_torch(monkeypatch, tmp_path, caplog, fresh_loader, registry) -> None:
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="minisgl.kernel.cpu"):
+    with caplog.at_level(logging.WARNING, logger="minisgl_plugin_cpu.native"):
         assert cpu.load_cpu_kernels() is None
     assert "native CPU kernels unavailable, using PyTorch paths" in caplog.text
-    assert type(select_kernels("cpu", torch.float32)) is KernelSet
+    assert type(select_kernels("cpu", torch.float32, "auto", registry)) is KernelSet
 
 
 def _greedy(tiny_dir, registry, prompts, **kwargs) -> list[list[int]]:

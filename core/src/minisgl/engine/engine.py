@@ -88,7 +88,7 @@ class Engine:
         self.architecture = archs[0]
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         # The layer kernels, chosen once for this device and dtype (EngineConfig.kernels).
-        self.kernels = select_kernels(self.device, self.dtype, config.kernels)
+        self.kernels = select_kernels(self.device, self.dtype, config.kernels, self.registry)
 
         self._build_components()
         t0 = time.perf_counter()

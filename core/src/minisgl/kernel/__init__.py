@@ -1,22 +1,20 @@
-"""The kernels the layers call, chosen once per engine by :func:`select_kernels`.
+"""The kernels the layers call: :class:`KernelSet` is the plain PyTorch reference (the kernel set ``torch``).
 
-:class:`KernelSet` is plain PyTorch (``kernels="torch"``, the reference). ``"auto"`` gives
-:class:`TritonKernels` on CUDA when Triton is importable and :class:`NativeCPUKernels` (the C
-kernels of :mod:`minisgl.kernel.cpu`) for float32 on CPU when they build. An op of a variant
-takes the PyTorch path for inputs its kernel does not handle, so a layer's forward is one call.
-
-Triton kernels mark arguments that change from call to call (row counts, seeds, pointers into
-packed buffers) ``do_not_specialize``, so a running server never stops to compile a variant.
+Faster sets come from plugins (the ``kernels`` component kind): a subclass replaces the ops it has
+kernels for and takes this PyTorch path for inputs its kernels do not handle, so a layer's forward
+is one call. :func:`select_kernels` chooses one per engine.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..plugins import PluginRegistry
 
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight, k weight, eps) of a per-head RMSNorm
 
@@ -120,134 +118,33 @@ def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Te
     return (x32 * cos2 + x32.roll(x.shape[-1] // 2, dims=-1) * sin2).to(x.dtype)
 
 
-class TritonKernels(KernelSet):
-    """CUDA: fused RMSNorm (+ residual), q/k-norm + rope, SiLU x up, KV store and sampling, each one launch."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        super().__init__()
-        from .norm_rope import qk_norm_rope, rmsnorm, silu_and_mul
-        from .sampling import gumbel_sample
-        from .store import store_kv
-
-        self._rmsnorm, self._rope, self._silu_mul, self._store = rmsnorm, qk_norm_rope, silu_and_mul, store_kv
-        self.gumbel_sample = gumbel_sample
-
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._rmsnorm(x, weight, eps)
-
-    def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._rmsnorm(x, weight, eps), x
-        return self._rmsnorm(x, weight, eps, residual)
-
-    def rope(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, qk_norm: QKNorm | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if qk_norm is None:
-            return self._rope(q, k, cos_sin, positions)
-        return self._rope(q, k, cos_sin, positions, *qk_norm)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._silu_mul(gate_up)
-
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> None:
-        if k.dtype == v.dtype == k_cache.dtype:
-            self._store(k, v, loc, k_cache, v_cache)
-        else:
-            super().store_kv(k, v, loc, k_cache, v_cache)
-
-
-def _f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 for t in tensors)
-
-
-class NativeCPUKernels(KernelSet):
-    """CPU float32: the C kernels of :mod:`minisgl.kernel.cpu` (few-row GEMM, RMSNorm, rope, SiLU x up,
-    KV store, argmax); other inputs take the PyTorch path."""
-
-    name = "native"
-
-    def __init__(self, lib: Any):
-        super().__init__()
-        self.lib = lib  # a minisgl.kernel.cpu.CpuKernels
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        # The C GEMM streams the weight at memory speed; MKL reaches about half of that at few rows.
-        if 0 < rows <= self.lib.GEMM_MAX_ROWS and weight.stride(-1) == 1 and _f32(x, weight):
-            x2 = x.reshape(rows, x.shape[-1])
-            if x2.stride(1) != 1:
-                x2 = x2.contiguous()
-            return self.lib.linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
-        return super().linear(x, weight, bias)
-
-    def _takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return x.dim() == 2 and _f32(x, weight) and 1 in x.stride()
-
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.lib.rmsnorm(x, weight, eps)[0] if self._takes(x, weight) else rms_norm(x, weight, eps)
-
-    def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._takes(x, weight) and (residual is None or residual.shape == x.shape):
-            out, summed = self.lib.rmsnorm(x, weight, eps, residual)
-            return out, x if summed is None else summed
-        return super().add_rmsnorm(x, residual, weight, eps)
-
-    def rope(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, qk_norm: QKNorm | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The C kernel reads q and k as [T, heads, d] views of one matrix with one element stride.
-        step = q.stride(2)
-        one_stride = k.stride(2) == step and q.stride(1) == q.shape[2] * step and k.stride(1) == k.shape[2] * step
-        if one_stride and _f32(q, k, *(qk_norm[:2] if qk_norm is not None else ())):
-            return self.lib.rope(q, k, positions, cos_sin, qk_norm)
-        return super().rope(positions, q, k, cos_sin, qk_norm)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.dim() == 2 and _f32(gate_up):
-            return self.lib.silu_mul(gate_up)
-        return super().silu_mul(gate_up)
-
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> None:
-        if _f32(k, v, k_cache) and loc.dtype == torch.int64:
-            width = k.shape[-2] * k.shape[-1]  # [T, width] views for the layouts the layers give
-            self.lib.store_kv(k.reshape(-1, width), v.reshape(-1, width), loc.contiguous(), k_cache, v_cache)
-        else:
-            super().store_kv(k, v, loc, k_cache, v_cache)
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and _f32(x) and 1 in x.stride():
-            return self.lib.argmax(x)  # torch's runs at about 3 GB/s
-        return x.argmax(dim=-1)
-
-
-KERNEL_CHOICES = ("auto", "torch")
+def torch_kernels(device: torch.device, dtype: torch.dtype) -> KernelSet:
+    """The factory of the built-in kernel set ``torch``: any device and dtype."""
+    return KernelSet()
 
 
 def select_kernels(
-    device: torch.device | str | None = None, dtype: torch.dtype | None = None, choice: str = "auto"
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    choice: str = "auto",
+    registry: PluginRegistry | None = None,
 ) -> KernelSet:
-    """The kernel set for layers on ``device`` computing in ``dtype`` (``EngineConfig.kernels``:
-    ``"auto"`` the fastest the device has, ``"torch"`` plain PyTorch)."""
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"unknown kernel set '{choice}'; expected one of {', '.join(KERNEL_CHOICES)}")
-    kind = torch.device(device or "cpu").type
-    if choice == "auto" and kind == "cuda" and importlib.util.find_spec("triton") is not None:
-        return TritonKernels()
-    if choice == "auto" and kind == "cpu" and (dtype or torch.get_default_dtype()) == torch.float32:
-        from .cpu import load_cpu_kernels
+    """The kernel set for layers on ``device`` computing in ``dtype``. Without a ``registry``, the plain
+    :class:`KernelSet`. With one, ``choice`` names a registered set, or ``"auto"``: the best ranked that
+    runs on the device, skipping a set whose factory raises ``Unsupported`` for this dtype."""
+    if registry is None:
+        if choice not in ("auto", "torch"):
+            raise ValueError(f"kernel set '{choice}' comes from a plugin: pass the plugin registry")
+        return KernelSet()
+    from ..plugins import UnknownComponentError, Unsupported
 
-        lib = load_cpu_kernels()
-        if lib is not None:
-            return NativeCPUKernels(lib)
+    dev = torch.device(device or "cpu")
+    dtype = dtype or torch.get_default_dtype()
+    specs = registry.ranked("kernels", dev.type) if choice == "auto" else [registry.pick("kernels", choice, dev.type)]
+    for spec in specs:
+        try:
+            return spec.build(dev, dtype)  # type: ignore[no-any-return]
+        except Unsupported as exc:
+            if choice != "auto":
+                raise UnknownComponentError(f"{spec.label} cannot run {dtype} on {dev.type}: {exc}") from None
     return KernelSet()

@@ -4,23 +4,14 @@ plugin's components rank above them. Factories are lazy strings: loading this mo
 from __future__ import annotations
 
 from .hookspecs import hookimpl
-from .specs import AttentionBackendSpec, KVPoolSpec, MoEBackendSpec, PrefixCacheSpec
+from .specs import AttentionBackendSpec, KernelSetSpec, KVPoolSpec, MoEBackendSpec, PrefixCacheSpec
 
 
 @hookimpl(trylast=True)
 def minisgl_attention_backends() -> list[AttentionBackendSpec]:
-    return [  # best first: on a CPU, "auto" takes cpu, then torch
-        AttentionBackendSpec(
-            name="cpu",
-            factory="minisgl.attention.cpu_backend:CPUAttnBackend",
-            is_supported="minisgl.attention.cpu_backend:supported",
-            description="native C kernels over the paged KV cache (CPU, float32)",
-        ),
-        AttentionBackendSpec(
-            name="torch",
-            factory="minisgl.attention.torch_backend:TorchAttnBackend",
-            description="reference attention in plain PyTorch over the paged KV cache (CPU and CUDA)",
-        ),
+    desc = "reference attention in plain PyTorch over the paged KV cache (CPU and CUDA)"
+    return [
+        AttentionBackendSpec(name="torch", factory="minisgl.attention.torch_backend:TorchAttnBackend", description=desc)
     ]
 
 
@@ -40,3 +31,9 @@ def minisgl_prefix_caches() -> list[PrefixCacheSpec]:
 def minisgl_moe_backends() -> list[MoEBackendSpec]:
     desc = "reference mixture-of-experts: sorted tokens, one matmul pair per expert"
     return [MoEBackendSpec(name="torch", factory="minisgl.moe.torch_backend:TorchMoEBackend", description=desc)]
+
+
+@hookimpl(trylast=True)
+def minisgl_kernel_sets() -> list[KernelSetSpec]:
+    desc = "the layers' ops in plain PyTorch (the reference; any device and dtype)"
+    return [KernelSetSpec(name="torch", factory="minisgl.kernel:torch_kernels", description=desc)]

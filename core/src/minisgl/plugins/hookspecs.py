@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pluggy
 
-from .specs import AttentionBackendSpec, Kind, KVPoolSpec, ModelSpec, MoEBackendSpec, PrefixCacheSpec
+from .specs import AttentionBackendSpec, KernelSetSpec, Kind, KVPoolSpec, ModelSpec, MoEBackendSpec, PrefixCacheSpec
 
 hookspec = pluggy.HookspecMarker("minisgl")
 hookimpl = pluggy.HookimplMarker("minisgl")
@@ -23,6 +23,7 @@ HOOKS: dict[Kind, str] = {
     "kv_pool": "minisgl_kv_cache_pools",
     "prefix_cache": "minisgl_prefix_caches",
     "moe": "minisgl_moe_backends",
+    "kernels": "minisgl_kernel_sets",
 }
 
 
@@ -49,3 +50,8 @@ def minisgl_prefix_caches() -> list[PrefixCacheSpec]:
 @hookspec
 def minisgl_moe_backends() -> list[MoEBackendSpec]:
     """Mixture-of-experts backends (``--moe-backend NAME``)."""
+
+
+@hookspec
+def minisgl_kernel_sets() -> list[KernelSetSpec]:
+    """Kernel sets for the layers (``--kernels NAME``)."""

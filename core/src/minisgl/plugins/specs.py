@@ -15,13 +15,14 @@ from typing import Any, ClassVar, Literal
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe"]
+Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe", "kernels"]
 KIND_LABELS: dict[Kind, str] = {
     "model": "model architecture",
     "attention": "attention backend",
     "kv_pool": "KV cache pool",
     "prefix_cache": "prefix cache",
     "moe": "MoE backend",
+    "kernels": "kernel set",
 }
 KINDS: tuple[Kind, ...] = tuple(KIND_LABELS)
 _LAZY_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")  # "pkg.mod:Cls.attr"
@@ -170,3 +171,10 @@ class MoEBackendSpec(ComponentSpec):
     """Built as ``factory()`` -> ``BaseMoEBackend`` (``--moe-backend NAME``)."""
 
     kind = "moe"
+
+
+class KernelSetSpec(ComponentSpec):
+    """Built as ``factory(device: torch.device, dtype: torch.dtype)`` -> ``KernelSet`` (``--kernels NAME``);
+    the factory raises :class:`Unsupported` for a dtype it does not serve."""
+
+    kind = "kernels"

@@ -1,6 +1,6 @@
-"""Attention on CPU in float32 (the built-in ``cpu`` backend): the reference's arithmetic, faster.
+"""Attention on CPU in float32 (the ``cpu`` backend): the reference's arithmetic, faster.
 
-Decode batches run the native C kernel (:mod:`minisgl.kernel.cpu`), which reads each request's
+Decode batches run the native C kernel (:mod:`.native`), which reads each request's
 K/V in place from the pool instead of gathering a padded copy. Other batches attend request by
 request: a prompt with no cached prefix attends to its own new K/V (no gather) under
 ``is_causal``, which skips the upper triangle that the reference's padded, masked problem computes.
@@ -12,16 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import Batch
-from ..kernel.cpu import load_cpu_kernels
-from .base import AttentionContext
-from .torch_backend import TorchAttnBackend
+from minisgl.attention import AttentionContext, TorchAttnBackend
+from minisgl.core import Batch
+from minisgl.plugins import Unsupported
+
+from .native import load_cpu_kernels
 
 
 def supported(device_type: str) -> bool:
-    """The ``is_supported`` check: CPU, with the C kernels built (raises ``Unsupported`` otherwise)."""
-    from ..plugins import Unsupported
-
+    """The ``is_supported`` check of the backend and kernel set: CPU, with the C kernels built."""
     if device_type != "cpu":
         raise Unsupported("runs on CPU only")
     if load_cpu_kernels() is None:

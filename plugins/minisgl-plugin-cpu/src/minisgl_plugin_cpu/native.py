@@ -1,4 +1,4 @@
-"""The core's native CPU kernels: C source in ``csrc/``, built on first use, called through ctypes.
+"""The native CPU kernels: C source in ``csrc/``, built on first use, called through ctypes.
 
 PyTorch's CPU operators cover what the engine needs, but not everything at a good
 speed: decode attention over a paged KV pool has to gather every request's K/V into

@@ -1,0 +1,1 @@
+"""Triton kernels for minisgl on CUDA: the kernel set ``triton``."""
