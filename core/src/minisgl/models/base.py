@@ -1,11 +1,5 @@
-"""The model base class that architecture files build on.
-
-A decoder-only model is an embedding, ``num_hidden_layers`` decoder layers and
-a final norm plus LM head. An architecture file subclasses :class:`CausalLM`
-and says how to build one decoder layer (:meth:`CausalLM.make_layer`), usually
-from :class:`DecoderLayer`, :class:`~minisgl.layers.AttentionBlock` and
-:class:`~minisgl.layers.GatedMLP`.
-"""
+"""The decoder-only model base class: an architecture file subclasses :class:`CausalLM` and builds one
+decoder layer in :meth:`CausalLM.make_layer`, usually a :class:`DecoderLayer`."""
 
 from __future__ import annotations
 
@@ -39,21 +33,15 @@ class ModelContext:
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(
-        self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, *, dtype, device, kernels=None
-    ):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, **kw: Any):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device, kernels=kernels)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, device=device, kernels=kernels)
+        self.input_layernorm = RMSNorm(hidden_size, eps, **kw)  # kw: dtype, device, kernels
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, **kw)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.forward_with_residual(hidden, residual)
         x = self.self_attn(positions, x, ctx)
@@ -61,9 +49,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-# Checkpoint names that are fused into one parameter here: (fused, original, shard id). A checkpoint
-# that already stores the fused tensor (Phi-3's qkv_proj and gate_up_proj) needs no entry: its name is
-# the parameter's, and the parameter's loader splits it.
+# Checkpoint names fused into one parameter here: (fused, original, shard id). A checkpoint storing the fused
+# tensor (Phi-3's qkv_proj, gate_up_proj) needs no entry: the parameter's loader splits it.
 STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
     (".qkv_proj.", ".q_proj.", "q"),
     (".qkv_proj.", ".k_proj.", "k"),
@@ -82,25 +69,21 @@ class _Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A decoder-only causal language model over the paged KV cache.
-
-    Parameter names follow Hugging Face checkpoints (``model.layers.0...``,
-    ``lm_head.weight``) so :meth:`load_weights` needs no per-model table.
-    """
+    """A decoder-only causal LM over the paged KV cache; parameter names follow Hugging Face checkpoints
+    (``model.layers.0...``, ``lm_head.weight``), so :meth:`load_weights` needs no per-model table."""
 
     stacked_params: tuple[tuple[str, str, Any], ...] = STACKED_PARAMS
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
-        cfg = ctx.config
         if ctx.kernels is None:  # chosen once here, so that make_layer passes ctx.kernels to every layer
             ctx = replace(ctx, kernels=select_kernels(ctx.device, ctx.dtype))
-        self.ctx = ctx
-        self.config = cfg
+        cfg = ctx.config
+        self.ctx, self.config = ctx, cfg
         kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device, "kernels": ctx.kernels}
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        params = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(head_dim, self.max_positions, params, device=ctx.device, kernels=ctx.kernels)
+        rope = rope_parameters(cfg)
+        self.rotary = RotaryEmbedding(head_dim, self.max_positions, rope, device=ctx.device, kernels=ctx.kernels)
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
         layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
         self.model = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw))
@@ -135,9 +118,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             target, shard = self.map_weight_name(name)
             if target not in params:
@@ -153,10 +134,7 @@ class CausalLM(nn.Module):
             if loader is None:
                 raise KeyError(f"parameter '{target}' has no weight loader")
             try:
-                if shard is not None:
-                    loader(param, tensor.to(param.dtype), shard)
-                else:
-                    loader(param, tensor.to(param.dtype))
+                loader(param, tensor.to(param.dtype), *(() if shard is None else (shard,)))
             except (ValueError, RuntimeError) as exc:
                 via = f" as shard {shard!r}" if shard is not None else ""
                 raise ValueError(

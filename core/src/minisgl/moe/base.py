@@ -8,18 +8,10 @@ import torch
 
 
 class BaseMoEBackend(ABC):
-    """Computes the routed expert MLPs of one MoE layer.
+    """Computes the routed expert MLPs of one MoE layer: ``w13`` ``[experts, 2 * inter, hidden]`` (gate rows,
+    then up rows), ``w2`` ``[experts, hidden, inter]``, ``inter`` being this rank's share."""
 
-    Weights are laid out per expert so tensor parallelism can split each expert
-    by columns/rows: ``w13`` is ``[experts, 2 * inter, hidden]`` (gate rows then
-    up rows) and ``w2`` is ``[experts, hidden, inter]``, where ``inter`` is this
-    rank's share of the expert intermediate size.
-
-    ``supports_cuda_graph`` says whether :meth:`forward` can be captured in a
-    CUDA graph (no host synchronisation, sizes fixed by the input shapes).
-    """
-
-    supports_cuda_graph: bool = False
+    supports_cuda_graph: bool = False  # True: forward never syncs with the host and sizes follow the inputs
 
     @abstractmethod
     def forward(
@@ -30,11 +22,8 @@ class BaseMoEBackend(ABC):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """``sum_k topk_weights[t, k] * down(silu(gate(x_t)) * up(x_t))`` for expert ``topk_ids[t, k]``.
-
-        ``hidden``: ``[tokens, hidden]``; ``topk_weights``/``topk_ids``: ``[tokens, k]``.
-        Returns ``[tokens, hidden]`` (partial sums under tensor parallelism).
-        """
+        """``[tokens, hidden]``: ``sum_k topk_weights[t, k] * down(silu(gate(x_t)) * up(x_t))`` for expert
+        ``topk_ids[t, k]`` (``[tokens, k]`` both); partial sums under tensor parallelism."""
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

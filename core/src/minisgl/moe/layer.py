@@ -1,19 +1,9 @@
 """The sparse mixture-of-experts block: a router and tensor-parallel expert weights.
 
-Expert weights are stacked per expert so that tensor parallelism splits every
-expert the way a dense gated MLP is split: gate and up rows by columns
-(``w13``: ``[experts, 2 * inter / tp, hidden]``, this rank's gate rows then its
-up rows) and down by rows (``w2``: ``[experts, hidden, inter / tp]``). Each rank
-computes a partial sum over its slice of the intermediate dimension and the
-block all-reduces it, so the model file is the same at any tensor-parallel size.
-
-Checkpoints store experts in one of two layouts, and both load:
-
-* per expert (what transformers writes): ``mlp.experts.<e>.gate_proj.weight``
-  ``[inter, hidden]``, ``...up_proj.weight`` and ``...down_proj.weight`` ``[hidden, inter]``;
-* fused (transformers' in-memory layout since 5.0): ``mlp.experts.gate_up_proj``
-  ``[experts, 2 * inter, hidden]`` (gate rows first) and ``mlp.experts.down_proj``
-  ``[experts, hidden, inter]``.
+Experts are stacked and split like a dense gated MLP: ``w13`` ``[experts, 2 * inter / tp, hidden]`` (this
+rank's gate rows, then its up rows), ``w2`` ``[experts, hidden, inter / tp]``; each rank's partial sum is
+all-reduced. Checkpoints load per expert (``experts.<e>.<gate|up|down>_proj.weight``, as transformers
+writes them) or fused (``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]``, ``experts.down_proj``).
 """
 
 from __future__ import annotations
@@ -26,34 +16,25 @@ from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet
-from ..layers import ReplicatedLinear
+from ..layers import ReplicatedLinear, set_loader
 from .base import BaseMoEBackend, route
 
-# Per-expert checkpoint names: experts.<e>.<gate|up|down>_proj.weight.
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-# Fused checkpoint names: experts.gate_up_proj / experts.down_proj (optionally with a .weight suffix).
-_FUSED = re.compile(r"\.experts\.(gate_up|down)_proj(\.weight)?$")
+# experts.<e>.<gate|up|down>_proj.weight (one expert's matrix) or experts.<gate_up|down>_proj[.weight] (fused).
+_EXPERT = re.compile(r"\.experts\.(?:(\d+)\.(gate|up|down)_proj\.weight|(gate_up|down)_proj(?:\.weight)?)$")
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None:
-    """Map a checkpoint tensor name of an expert to ``(parameter name, shard id)``, or None.
+    """``(parameter name, (part, expert))`` of an expert's checkpoint tensor, or None for other names.
 
-    The shard id is ``(part, expert)``: part is ``"gate"``, ``"up"``, ``"down"``
-    (one expert's matrix) or ``"gate_up"``/``"down"`` with expert ``None`` (all
-    experts at once, the fused layout). Model files call this from
-    :meth:`~minisgl.models.CausalLM.map_weight_name` before the dense mapping.
+    ``part`` is gate, up or down for one expert's matrix, gate_up or down with expert None for the fused
+    layout. Model files call this from :meth:`~minisgl.models.CausalLM.map_weight_name` first.
     """
-    m = _PER_EXPERT.search(name)
-    if m is not None:
-        expert, part = int(m.group(1)), m.group(2)
-        param = "w2_weight" if part == "down" else "w13_weight"
-        return name[: m.start()] + ".experts." + param, (part, expert)
-    m = _FUSED.search(name)
-    if m is not None:
-        part = m.group(1)
-        param = "w2_weight" if part == "down" else "w13_weight"
-        return name[: m.start()] + ".experts." + param, (part, None)
-    return None
+    m = _EXPERT.search(name)
+    if m is None:
+        return None
+    expert, part = (int(m[1]), m[2]) if m[1] is not None else (None, m[3])
+    param = "w2_weight" if part == "down" else "w13_weight"
+    return f"{name[: m.start()]}.experts.{param}", (part, expert)
 
 
 class MoEExperts(nn.Module):
@@ -83,19 +64,15 @@ class MoEExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.local_inter = tp.shard(intermediate_size, "MoE expert intermediate size")
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.local_inter, hidden_size, **kw), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.local_inter, **kw), requires_grad=False
-        )
-        self.w13_weight.weight_loader = self.load_weight  # type: ignore[attr-defined]
-        self.w2_weight.weight_loader = self.load_weight  # type: ignore[attr-defined]
+        shape = (num_experts, 2 * self.local_inter, hidden_size)
+        self.w13_weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        shape = (num_experts, hidden_size, self.local_inter)
+        self.w2_weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        set_loader(self.w13_weight, self.load_weight)
+        set_loader(self.w2_weight, self.load_weight)
         # Which (part, expert) slices a checkpoint has filled, so a partial checkpoint is an error, not garbage.
         self._loaded: set[tuple[str, int]] = set()
 
-    # ----------------------------------------------------------------- loading
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's slice of a checkpoint tensor; ``shard_id`` comes from :func:`expert_weight_target`."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
@@ -143,7 +120,6 @@ class MoEExperts(nn.Module):
             if (p, e) not in self._loaded
         ]
 
-    # ----------------------------------------------------------------- forward
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.backend.forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.tp.size > 1:
@@ -152,11 +128,8 @@ class MoEExperts(nn.Module):
 
 
 class SparseMoEBlock(nn.Module):
-    """Top-k softmax router (``gate``, replicated) followed by the routed experts (``experts``).
-
-    ``renormalize`` rescales each token's top-k weights to sum to one
-    (Qwen3-MoE's ``norm_topk_prob``).
-    """
+    """Top-k softmax router (``gate``, replicated), then the routed ``experts``; ``renormalize`` rescales
+    each token's top-k weights to sum to one (Qwen3-MoE's ``norm_topk_prob``)."""
 
     def __init__(
         self,
