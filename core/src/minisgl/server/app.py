@@ -1,51 +1,71 @@
-"""The FastAPI application: OpenAI routes, /health, /metrics, errors in OpenAI's shape."""
+"""The FastAPI application: OpenAI routes, /tokenize, /health, /metrics, errors in OpenAI's shape.
+
+:class:`RequestGuard` runs before any route parses a body: with ``--api-key`` the key is checked from the headers
+alone (401 before a byte of the body is read; /health and /metrics stay open, /docs does not), and a body over
+``--max-request-bytes`` is refused (413) as soon as its declared or counted size passes the limit, so one big
+request costs neither memory nor event-loop time that other requests wait for.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..core import SamplingParams, ValidationError
+from ..core import ValidationError
 from ..message import GenerateReq, TokenizerLimits
 from ..utils import VERSION
-from .client import EngineClient, ServerGone
-from .limits import RequestGuard, RequestLimits
-from .metrics import ServerMetrics
+from .client import EngineClient, ServerGone, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
 from .settings import ServeSettings
 from .text_tools import TextTools, load_model_tokenizer
-from .tools import CallStream, ForcedStream, choose_parser, make_stream
+from .tools import ForcedStream, choose_parser, make_stream
 
 if TYPE_CHECKING:
-    from .launcher import Health
+    from .launcher import Launcher
 
 logger = logging.getLogger("minisgl.server")
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+# What the engine was built with (as the "model ready" log line says), in the model card for clients and operators.
+_ENGINE_KEYS: tuple[str, ...] = (
+    "architecture",
+    "device",
+    "tp",
+    "attention_backend",
+    "prefix_cache",
+    "kv_pages",
+    "page_size",
+)
+_ENGINE_KEYS += ("max_running_requests", "chunked_prefill_size", "cuda_graphs", "overlap_schedule")
+# Union alternatives show up in an error's location ("stop", "list[str]", 0); they are not field names.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class SSEResponse(Response):
-    """A server-sent-event stream, sent chunk by chunk; always closes its body iterator, so an
-    abandoned stream aborts its jobs at once. Disconnects are watched by the request's
-    :class:`~minisgl.server.serving.Generation`, not by a task of the response per chunk."""
+    """A server-sent-event stream, sent chunk by chunk. It always closes its body iterator, so an abandoned stream
+    aborts its jobs at once; disconnects are watched by the request's Generation, not by a task per chunk."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]):
+    def __init__(self, body: AsyncIterator[bytes]):
         self.status_code = 200
         self.background = None
         self.body_iterator = body
-        self.init_headers(headers)  # no body attribute: no Content-Length
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # no body: no Content-Length
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -64,18 +84,11 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-# Union alternatives show up in an error's location ("stop", "list[str]", 0); they are not field names.
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
 def _param(loc: tuple[Any, ...]) -> str | None:
     parts = [p for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
     if not parts:
         return None
-    out = str(parts[0])
-    for p in parts[1:]:
-        out += f"[{p}]" if isinstance(p, int) else f".{p}"
-    return out
+    return str(parts[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[1:])
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -83,101 +96,154 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "the request body is invalid")
     err = errors[0]
-    if err.get("type") == "json_invalid":
+    kind = err.get("type")
+    if kind == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
     param = _param(tuple(err.get("loc", ())))
     if param is None:
         return APIError(400, f"the request body must be a JSON object: {err['msg']}")
-    if err.get("type") == "missing":
-        return APIError(400, f"{param}: this field is required", param=param)
-    if err.get("type") == "extra_forbidden":
-        # OpenAI's own wording, then what to do.
+    if kind == "missing":
+        message = "this field is required"
+    elif kind == "extra_forbidden":  # OpenAI's own wording, then what to do
         return APIError(
             400,
             f"Unrecognized request argument supplied: {param} (this server does not know this field; remove it; "
             "docs/serving.md lists the fields it takes)",
             param=param,
         )
-    if param.startswith("prompt") and err.get("type") != "value_error":
+    elif param.startswith("prompt") and kind != "value_error":
+        param = "prompt"
         message = "expected a string, a list of strings, a list of token ids or a list of token-id lists"
-        return APIError(400, f"prompt: {message}", param="prompt")
-    if err.get("type") == "value_error":
-        return APIError(400, f"{param}: {str(err['msg']).removeprefix('Value error, ')}", param=param)
-    got = repr(err.get("input"))
-    got = got if len(got) <= 80 else got[:77] + "..."
-    return APIError(400, f"{param}: {err['msg']} (got {got})", param=param)
+    elif kind == "value_error":
+        message = str(err["msg"]).removeprefix("Value error, ")
+    else:
+        got = repr(err.get("input"))
+        message = f"{err['msg']} (got {got if len(got) <= 80 else got[:77] + '...'})"
+    return APIError(400, f"{param}: {message}", param=param)
 
 
-class WorkerMonitor(Protocol):
-    """What the app needs of the launcher (see :class:`minisgl.server.launcher.Launcher`)."""
+def _as_api_error(request: Request, exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, ValidationError):
+        return APIError(400, f"{exc.field}: {exc.message}", param=exc.field)
+    if isinstance(exc, StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_)
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
-    tokenizers: list[str]
 
-    def check(self) -> str | None:
-        """Why the workers can no longer serve, or None."""
+async def _refuse(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(APIError(status, message, code=code).body(), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
-    def health(self, silence: float, stall: float) -> Health:
-        """The workers' heartbeats, judged."""
+
+class RequestGuard:
+    """ASGI middleware: the API key from the headers, then the body size, before the routes run. The HTTP server
+    discards the rest of a refused body as it arrives, so the client still gets to read the answer."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_bytes = max_bytes
+        self.limit = (
+            f"this server's limit of {max_bytes:,} bytes (--max-request-bytes); send a shorter prompt or conversation"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            authorization = headers.get("authorization", "")
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+                what = "missing" if not authorization else "incorrect"
+                problem = f"{what} API key; send 'Authorization: Bearer <key>'"
+                return await _refuse(send, 401, problem, "invalid_api_key")
+        declared = headers.get("content-length")
+        if declared is None and "chunked" not in headers.get("transfer-encoding", "").lower():
+            return await self.app(scope, receive, send)  # no body
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            problem = f"the request body is {int(declared):,} bytes, over {self.limit}"
+            return await _refuse(send, 413, problem, "request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None  # the client left while sending: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _refuse(send, 413, f"the request body is over {self.limit}", "request_too_large")
+            more = message.get("more_body", False)
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
 
 
-def model_names(settings: ServeSettings) -> set[str]:
-    """The names a request's ``model`` may use: the served name, and a Hub id as given to ``--model``
-    (with and without its ``@revision``), as clients of other servers send it."""
-    from ..utils.model_path import parse_hub_id
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields the body already read, then whatever the connection says next."""
+    given = False
 
-    names = {settings.model_name}
-    hub = parse_hub_id(settings.model) if not settings.served_model_name else None
-    if hub is not None:
-        names |= {settings.model, hub[0]}
-    return names
+    async def replay() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def create_app(
     settings: ServeSettings,
     addresses: dict[str, str],
     info: dict[str, Any],
-    workers: WorkerMonitor,
+    workers: Launcher,
     *,
     text: TextTools | None = None,
 ) -> FastAPI:
-    """The application for one server, whose worker processes ``workers`` watches.
+    """The application for one server, whose worker processes ``workers`` watches. ``text`` serves
+    /tokenize and /detokenize; by default the model's tokenizer, loaded in the background when the app starts."""
+    from ..utils.model_path import parse_hub_id
 
-    ``text`` tokenizes for ``/tokenize`` and ``/detokenize``; by default the model's tokenizer,
-    loaded in the background when the app starts.
-    """
     model_name = settings.model_name
-    names = model_names(settings)
+    names = {model_name}  # and a Hub id as given to --model, with and without its @revision (as clients send it)
+    hub = parse_hub_id(settings.model) if not settings.served_model_name else None
+    if hub is not None:
+        names |= {settings.model, hub[0]}
     metrics = ServerMetrics(model_name)
     client = EngineClient(addresses, metrics, workers.tokenizers)
     max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
     vocab_size = int(info["vocab_size"]) if info.get("vocab_size") else None
-    if text is None:
-        model = settings.model
-        text = TextTools(lambda: load_model_tokenizer(model), max_model_len, vocab_size)
-    tools = text
+    model = settings.model
+    tools = text or TextTools(lambda: load_model_tokenizer(model), max_model_len, vocab_size)
     # The tool-call format: from the chat template, unless a serve setting names one.
-    parser_setting = settings.tool_call_parser
-    choose_parser(None, parser_setting)  # an unknown name fails here, at start-up
+    choose_parser(None, settings.tool_call_parser)  # an unknown name fails here, at start-up
     parsers: list[str] = []  # the chosen one, once known
 
     async def tool_parser() -> str:
         if not parsers:
-            parsers.append(choose_parser(await tools.chat_template(), parser_setting))
+            parsers.append(choose_parser(await tools.chat_template(), settings.tool_call_parser))
         return parsers[0]
 
     async def watch_workers(app: FastAPI) -> None:
-        while True:
-            reason = workers.check()
-            if reason is not None:
-                logger.error("%s; shutting down", reason)
-                client.fail_all(reason)
-                app.state.exit_code = 1
-                await asyncio.sleep(1.0)  # let the 503 answers go out
-                server = app.state.server
-                if server is not None:
-                    server.should_exit = True
-                return
+        while (reason := workers.check()) is None:
             await asyncio.sleep(0.2)
+        logger.error("%s; shutting down", reason)
+        client.fail_all(reason)
+        app.state.exit_code = 1
+        await asyncio.sleep(1.0)  # let the 503 answers go out
+        if app.state.server is not None:
+            app.state.server.should_exit = True
 
     async def drain(grace: float) -> None:
         """Let the requests in flight finish for ``grace`` seconds, then end the rest with an error."""
@@ -194,22 +260,16 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        limits = None
-        if info.get("max_model_len") and info.get("vocab_size"):
-            limits = TokenizerLimits(int(info["max_model_len"]), int(info["vocab_size"]))
-        await client.start(limits)
+        await client.start(TokenizerLimits(max_model_len, vocab_size) if max_model_len and vocab_size else None)
         tools.start()
         watcher = asyncio.create_task(watch_workers(app))
 
-        def begin_drain() -> None:
-            def start() -> None:
-                if not app.state.draining:
-                    app.state.draining = True
-                    app.state.drainer = asyncio.create_task(drain(settings.shutdown_timeout))
+        def start_drain() -> None:
+            if not app.state.draining:
+                app.state.draining = True
+                app.state.drainer = asyncio.create_task(drain(settings.shutdown_timeout))
 
-            loop.call_soon_threadsafe(start)
-
-        app.state.begin_drain = begin_drain
+        app.state.begin_drain = lambda: loop.call_soon_threadsafe(start_drain)  # called from a signal handler
         yield
         watcher.cancel()
         tools.close()
@@ -221,62 +281,45 @@ def create_app(
     app.state.draining = False
     app.state.client = client
     app.state.metrics = metrics
-    created = int(time.time())
-    # The key and the body size are checked before any route parses the body (also guards /docs).
-    limits = RequestLimits.of(settings)
-    app.add_middleware(RequestGuard, limits=limits)
+    app.add_middleware(RequestGuard, api_key=settings.api_key, max_bytes=settings.max_request_bytes)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error(_as_api_error(request, exc))
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(_validation_error(exc))
+    for kind in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, on_error)
 
-    @app.exception_handler(ValidationError)
-    async def _bad_value(request: Request, exc: ValidationError) -> JSONResponse:
-        return _error(APIError(400, f"{exc.field}: {exc.message}", param=exc.field))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(APIError(exc.status_code, str(exc.detail), type_))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-
-    def check_model(name: str | None) -> None:
+    def check_model(name: str | None, what: str = "the model") -> None:
         if name is not None and name not in names:
-            raise APIError(
-                404,
-                f"the model '{name}' does not exist; this server serves '{model_name}'",
-                "not_found_error",
-                param="model",
-                code="model_not_found",
+            message = f"{what} '{name}' does not exist; this server serves '{model_name}'"
+            raise APIError(404, message, "not_found_error", param="model", code="model_not_found")
+
+    def check(body: ChatCompletionRequest | CompletionRequest, prompts: int = 1) -> None:
+        check_model(body.model)
+        body.check_supported()
+        body.check_vocab(vocab_size)
+        if body.n > settings.max_n:
+            raise ValidationError(
+                "n", f"this server gives at most {settings.max_n} choices per prompt (--max-n), got {body.n}"
+            )
+        if prompts > settings.max_prompts:
+            raise ValidationError(
+                "prompt",
+                f"this server takes at most {settings.max_prompts} prompts per request (--max-prompts), got "
+                f"{prompts}; send them in several requests",
             )
 
     async def respond(
-        request: Request,
-        jobs: list[Job],
-        shape: ResponseShape,
-        stream: bool,
-        field: str,
-        grammar_field: str | None = None,
+        request: Request, jobs: list[Job], shape: ResponseShape, stream: bool, field: str, grammar: str | None
     ) -> Response:
         if app.state.draining:
             raise gone_error("the server is shutting down")
         # A grammar the engine cannot compile is reported against the request field that sent it.
-        fields = {"grammar": grammar_field, "response_format": grammar_field} if grammar_field else None
+        fields = {"grammar": grammar, "response_format": grammar} if grammar else None
         gen = Generation(client, request.receive, jobs, prompt_field=field, fields=fields)
         try:
             await gen.start()
-            if stream:
-                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                return SSEResponse(stream_events(gen, shape), headers=headers)
-            return JSONResponse(await collect(gen, shape))
+            return SSEResponse(stream_events(gen, shape)) if stream else JSONResponse(await collect(gen, shape))
         except ServerGone as exc:
             raise gone_error(str(exc)) from None
         except ClientGone:
@@ -284,48 +327,34 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        body.check_supported()
-        body.check_vocab(vocab_size)
-        limits.check_choices(body.n)
-        messages = body.plain_messages()
-        params: list[SamplingParams] = [body.params(i) for i in range(body.n)]
-        template_tools = body.template_tools()
-        jobs = [
-            Job(GenerateReq(client.new_rid(), p.to_dict(), messages=messages, tools=template_tools), i, 0)
-            for i, p in enumerate(params)
-        ]
+        check(body)
+        messages, template_tools = body.plain_messages(), body.template_tools()
         grammar, grammar_field = body.grammar()
         mode, named = body.tool_mode()
-        names = [t.function.name for t in body.tools or []]
-        parallel = body.parallel_tool_calls is not False
+        functions = [t.function.name for t in body.tools or []]
+        # Auto tools are parsed from the output, unless a response_format's JSON is asked for.
         parser = await tool_parser() if mode == "auto" and grammar is None else None
-        for job in jobs:
-            stream: CallStream | None = None
+        jobs = []
+        for i in range(body.n):
+            req = GenerateReq(client.new_rid(), body.params(i).to_dict(), messages=messages, tools=template_tools)
+            job = Job(req, i, 0)
             if mode in ("required", "named"):
-                stream = ForcedStream(named, names)
-            elif parser is not None:  # auto (a response_format wins: its JSON is not read as calls)
-                stream = make_stream(parser, names, parallel)
-            job.tools = stream
+                job.tools = ForcedStream(named, functions)
+            elif parser is not None:
+                job.tools = make_stream(parser, functions, body.parallel_tool_calls is not False)
+            jobs.append(job)
         shape = ResponseShape(True, model_name, body.logprobs, body.include_usage)
         return await respond(request, jobs, shape, body.stream, "messages", grammar_field)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        body.check_supported()
-        body.check_vocab(vocab_size)
-        limits.check_choices(body.n, len(body.prompts()))
+        prompts = body.prompts()
+        check(body, len(prompts))
         jobs = []
-        for pi, prompt in enumerate(body.prompts()):
+        for pi, prompt in enumerate(prompts):
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for i in range(body.n):
-                p = body.params(i).to_dict()
-                rid = client.new_rid()
-                req = (
-                    GenerateReq(rid, p, text=prompt)
-                    if isinstance(prompt, str)
-                    else GenerateReq(rid, p, input_ids=prompt)
-                )
+                req = GenerateReq(client.new_rid(), body.params(i).to_dict(), text=text, input_ids=ids)
                 jobs.append(Job(req, pi * body.n + i, pi))
         shape = ResponseShape(False, model_name, body.logprobs is not None, body.include_usage)
         return await respond(request, jobs, shape, body.stream, "prompt", body.grammar()[1])
@@ -333,27 +362,11 @@ def create_app(
     card = {
         "id": model_name,
         "object": "model",
-        "created": created,
+        "created": int(time.time()),
         "owned_by": "minisgl",
         "root": settings.model,
         "max_model_len": info.get("max_model_len"),
-        # What the engine was built with (the same as the "model ready" log line), for clients and operators.
-        "minisgl": {
-            key: info.get(key)
-            for key in (
-                "architecture",
-                "device",
-                "tp",
-                "attention_backend",
-                "prefix_cache",
-                "kv_pages",
-                "page_size",
-                "max_running_requests",
-                "chunked_prefill_size",
-                "cuda_graphs",
-                "overlap_schedule",
-            )
-        },
+        "minisgl": {key: info.get(key) for key in _ENGINE_KEYS},
     }
 
     @app.get("/v1/models")
@@ -362,22 +375,14 @@ def create_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict[str, Any]:
-        if model_id not in names:
-            raise APIError(
-                404,
-                f"The model '{model_id}' does not exist; this server serves '{model_name}'",
-                "not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(model_id, "The model")
         return card
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         source = body.source()
-        chat = not isinstance(source, str)
-        special = body.add_special_tokens if body.add_special_tokens is not None else not chat
+        special = body.add_special_tokens if body.add_special_tokens is not None else isinstance(source, str)
         generation_prompt = body.add_generation_prompt is not False
         ids, strs = await tools.tokenize(
             source, special, generation_prompt, body.return_token_strs, body.template_tools()
