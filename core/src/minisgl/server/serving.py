@@ -1,14 +1,9 @@
-"""Running one HTTP request's generations and shaping them as OpenAI responses.
+"""Running one HTTP request's generations (*jobs*: ``n`` choices of each prompt) and shaping OpenAI responses.
 
-An HTTP request becomes one or more *jobs* (``n`` choices, several completion
-prompts), all sent to the workers at once. The response starts only when every
-job has produced its first output, so a refused job (prompt too long, ...) is a
-plain 400 even for a streaming request. Outputs land in their job as they
-arrive (no queue entry per token); the response wakes once for everything that
-arrived since it last looked and sends it as one chunk per job, so a response
-that falls behind catches up in fewer, larger chunks. Whatever ends the request
-early (client gone, error, shutdown) aborts the jobs still running, which frees
-their KV pages.
+The response starts only when every job has its first output, so a refused job is a plain 400 even when
+streaming. Outputs land in their job as they arrive (no queue entry per token); the response wakes once for all
+that arrived since it last looked and sends one chunk per job, so a response that falls behind catches up in fewer,
+larger chunks. Whatever ends a request early aborts its unfinished jobs, which frees their KV pages.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.types import Message, Receive
+from starlette.types import Receive
 
 from ..message import GenerateReq
 from .client import EngineClient
@@ -134,12 +129,11 @@ class Generation:
         jobs: list[Job],
         *,
         prompt_field: str,
-        fields: dict[str, str] | None = None,
+        fields: dict[str, str] | None,
     ):
         self.client = client
         self.receive = receive
         self.order = jobs
-        self.prompt_field = prompt_field
         self.fields = {"prompt": prompt_field, **(fields or {})}  # a worker's field name -> the request's
         self.wake = asyncio.Event()
         self.dirty: list[Job] = []
@@ -149,7 +143,6 @@ class Generation:
         for job in jobs:
             job.gen = self
 
-    # Called by the client's reader task.
     def notify(self, job: Job) -> None:
         if not job.dirty:
             job.dirty = True
@@ -162,12 +155,10 @@ class Generation:
 
     async def _watch_disconnect(self) -> None:
         """Wait for the client to hang up (one task per request, no polling)."""
-        while True:
-            message: Message = await self.receive()
-            if message["type"] == "http.disconnect":
-                self.client_gone = True
-                self.wake.set()
-                return
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.client_gone = True
+        self.wake.set()
 
     async def wait(self) -> None:
         """Wait for news; raise if the client or the server is gone."""
@@ -226,10 +217,6 @@ class Generation:
                 await self.client.abort(job.rid)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -273,7 +260,7 @@ class ResponseShape:
         self.model = model
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
         # A streamed chunk is this head, the choice, and the tail: only the choice changes.
@@ -291,24 +278,20 @@ class ResponseShape:
     def full(self, jobs: list[Job]) -> dict[str, Any]:
         choices = []
         for job in sorted(jobs, key=lambda j: j.index):
-            text = job.take_text()
+            text, finish_reason = job.take_text(), job.finish_reason
             lp = None
             if self.want_logprobs:
                 lp = chat_logprobs(job.logprobs) if self.chat else completion_logprobs(job.logprobs, 0)
-            choice: dict[str, Any] = {"index": job.index}
-            finish_reason = job.finish_reason
-            if self.chat and job.tools is not None:
-                content, calls = parse_whole(job.tools, text)
-                choice["message"] = {"role": "assistant", "content": content}
-                if calls:
-                    choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
-                    finish_reason = _tool_finish(finish_reason)
-            elif self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choice.update(logprobs=lp, finish_reason=finish_reason)
-            choices.append(choice)
+            choice: dict[str, Any] = {"index": job.index, "text": text}
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if job.tools is not None:
+                    message["content"], calls = parse_whole(job.tools, text)
+                    if calls:
+                        message["tool_calls"] = [c.as_openai() for c in calls]
+                        finish_reason = _tool_finish(finish_reason)
+                choice = {"index": job.index, "message": message}
+            choices.append({**choice, "logprobs": lp, "finish_reason": finish_reason})
         return {**self._envelope(choices, False), "usage": usage(jobs)}
 
     def first_chunks(self, jobs: list[Job]) -> str:
@@ -334,11 +317,9 @@ class ResponseShape:
                 offset = self._offsets.get(job.index, 0)
                 lp = completion_logprobs(entries, offset)
                 self._offsets[job.index] = offset + sum(len(t) for t, _, _ in entries)
-        finish = None
         ending = job.finished and not job.finish_sent
-        if ending:
-            job.finish_sent = True
-            finish = job.finish_reason
+        finish = job.finish_reason if ending else None
+        job.finish_sent |= ending
         if job.tools is not None:
             events = job.tools.feed(text) + (job.tools.finish() if ending else [])
             return self._tool_chunks(job, events, lp, finish)
@@ -369,10 +350,9 @@ class ResponseShape:
                 deltas.append(_dumps({"tool_calls": [part]}))
         if finish is not None and job.calls_sent:
             finish = _tool_finish(finish)
-        if not deltas:
-            if lp is None and finish is None:
-                return ""
-            deltas.append("{}")
+        if not deltas and lp is None and finish is None:
+            return ""
+        deltas = deltas or ["{}"]
         last = len(deltas) - 1
         return "".join(
             self._chunk(job.index, d, lp if i == last else None, finish if i == last else None)
