@@ -315,8 +315,8 @@ def create_app(
         if app.state.draining:
             raise gone_error("the server is shutting down")
         # A grammar the engine cannot compile is reported against the request field that sent it.
-        fields = {"grammar": grammar, "response_format": grammar} if grammar else None
-        gen = Generation(client, request.receive, jobs, prompt_field=field, fields=fields)
+        fields = {"prompt": field, **({"grammar": grammar, "response_format": grammar} if grammar else {})}
+        gen = Generation(client, request.receive, jobs, fields)
         try:
             await gen.start()
             return SSEResponse(stream_events(gen, shape)) if stream else JSONResponse(await collect(gen, shape))

@@ -122,19 +122,11 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
 class Generation:
     """The jobs of one HTTP request, woken when any of them has news."""
 
-    def __init__(
-        self,
-        client: EngineClient,
-        receive: Receive,
-        jobs: list[Job],
-        *,
-        prompt_field: str,
-        fields: dict[str, str] | None,
-    ):
+    def __init__(self, client: EngineClient, receive: Receive, jobs: list[Job], fields: dict[str, str]):
         self.client = client
         self.receive = receive
         self.order = jobs
-        self.fields = {"prompt": prompt_field, **(fields or {})}  # a worker's field name -> the request's
+        self.fields = fields  # a worker's field name -> the request's
         self.wake = asyncio.Event()
         self.dirty: list[Job] = []
         self.client_gone = False
