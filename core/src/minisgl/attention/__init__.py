@@ -1,4 +1,4 @@
-"""Attention backends: the interface, the ``torch`` reference (torch_backend) and ``cpu`` (cpu_backend)."""
+"""Attention backends: the interface and the ``torch`` reference."""
 
 from .base import AttentionContext, BaseAttnBackend, HybridAttnBackend
 from .torch_backend import TorchAttnBackend

@@ -1,11 +1,5 @@
-"""The attention backend interface.
-
-A backend turns a :class:`~minisgl.core.Batch` into whatever its kernels need
-once per step (:meth:`BaseAttnBackend.prepare_metadata`), then runs attention
-for every layer with that metadata (:meth:`BaseAttnBackend.forward`). Backends
-that support CUDA graphs also implement the three capture/replay hooks, which
-the engine calls for decode batches only.
-"""
+"""The attention backend interface: per-step metadata, then attention per layer; backends that support CUDA
+graphs also implement the capture/replay hooks (decode batches only). Contract: docs/plugin-contracts.md."""
 
 from __future__ import annotations
 
@@ -39,12 +33,8 @@ class AttentionContext:
 
 
 class BaseAttnBackend(ABC):
-    """Paged attention over the KV pool.
-
-    For every request in a batch, new tokens occupy positions
-    ``[req.cached_len, req.device_len)`` and attend causally to everything before
-    them; their K/V are written to ``batch.out_loc`` first.
-    """
+    """Paged attention over the KV pool: each request's new tokens, positions ``[req.cached_len,
+    req.device_len)``, store their K/V at ``batch.out_loc``, then attend causally to everything before them."""
 
     supports_cuda_graph: bool = False
 
@@ -73,8 +63,7 @@ class HybridAttnBackend(BaseAttnBackend):
     """One backend for prefill batches and another for decode batches (``--attn P,D``)."""
 
     def __init__(self, prefill: BaseAttnBackend, decode: BaseAttnBackend):
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill, self.decode = prefill, decode
         self.supports_cuda_graph = decode.supports_cuda_graph
 
     def _pick(self, batch: Batch) -> BaseAttnBackend:

@@ -1,9 +1,5 @@
-"""Reference attention in plain PyTorch, on CPU and CUDA: what every other backend is tested against.
-
-Requests are padded into one ``[batch, max_new, heads, d]`` problem over their gathered K/V and
-solved with ``scaled_dot_product_attention`` under a causal-and-length mask. The CPU fast paths
-are the ``cpu`` backend (:mod:`minisgl.attention.cpu_backend`).
-"""
+"""Reference attention in plain PyTorch (CPU and CUDA), what every other backend is tested against: requests
+padded into one ``[batch, max_new, heads, d]`` problem over their gathered K/V, one masked SDPA per layer."""
 
 from __future__ import annotations
 
@@ -27,8 +23,6 @@ class TorchAttnMetadata:
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    """The reference: gather each request's K/V from the paged pool, pad, one masked SDPA per layer."""
-
     def __init__(self, ctx: AttentionContext):
         self.ctx = ctx
 
