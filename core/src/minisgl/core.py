@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,27 @@ class ValidationError(ValueError):
 
 
 GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
+
+
+def prompt_problem(ids: Sequence[int], max_tokens: int | None, max_len: int, vocab: int) -> tuple[str, str] | None:
+    """``(field, message)`` saying why a prompt can never run in a context of ``max_len`` tokens, or None."""
+    if not ids:
+        return "prompt", "the prompt is empty"
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        return "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
+    n = len(ids)
+    if n >= max_len:
+        return "prompt", f"the prompt has {n} tokens, but the context length is {max_len} (leave room for output)"
+    if max_tokens is not None and n + max_tokens > max_len:
+        return "max_tokens", (
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length {max_len}"
+        )
+    return None
+
+
+def _is_int(v: object, low: int, high: float = float("inf")) -> bool:
+    return isinstance(v, int) and low <= v <= high
 
 
 @dataclass(frozen=True)
@@ -57,53 +79,35 @@ class SamplingParams:
                 raise ValidationError(name, message)
 
         check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
+        check(_is_int(self.top_k, -1), "top_k", f"must be -1, 0 or positive, got {self.top_k}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            "max_tokens",
-            f"must be a positive integer, got {self.max_tokens}",
-        )
-        check(
-            -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
-        )
-        check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        mt = self.max_tokens
+        check(mt is None or _is_int(mt, 1), "max_tokens", f"must be a positive integer, got {mt}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
         check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            f"must be an integer in [0, 20], got {self.logprobs}",
-        )
+        lp = self.logprobs
+        check(lp is None or _is_int(lp, 0, 20), "logprobs", f"must be an integer in [0, 20], got {lp}")
         check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         for s in self.stop_strings:
             check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
         for t, b in (self.logit_bias or {}).items():
-            check(
-                isinstance(t, int) and t >= 0,
-                "logit_bias",
-                f"keys must be token ids (non-negative integers), got {t!r}",
-            )
+            check(_is_int(t, 0), "logit_bias", f"keys must be token ids (non-negative integers), got {t!r}")
             check(-100 <= b <= 100, "logit_bias", f"biases must be in [-100, 100], got {b!r} for token {t}")
         if self.grammar is not None:
-            kind = self.grammar[0] if isinstance(self.grammar, tuple | list) and len(self.grammar) == 2 else None
-            check(
-                kind in GRAMMAR_KINDS,
-                "grammar",
-                f"must be (kind, text) with kind in {GRAMMAR_KINDS}, got {self.grammar!r}",
-            )
+            g = self.grammar
+            kind = g[0] if isinstance(g, tuple | list) and len(g) == 2 else None
+            check(kind in GRAMMAR_KINDS, "grammar", f"must be (kind, text) with kind in {GRAMMAR_KINDS}, got {g!r}")
         for t in self.stop_ids:
-            check(
-                isinstance(t, int) and t >= 0, "stop_token_ids", f"token ids must be non-negative integers, got {t!r}"
-            )
+            check(_is_int(t, 0), "stop_token_ids", f"token ids must be non-negative integers, got {t!r}")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        if isinstance(self.stop, str):
-            return (self.stop,)
-        return tuple(self.stop)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -118,25 +122,13 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "seed": self.seed,
-            "max_tokens": self.max_tokens,
-            "stop": list(self.stop_strings),
-            "stop_token_ids": list(self.stop_ids),
-            "ignore_eos": self.ignore_eos,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logprobs": self.logprobs,
-            "skip_special_tokens": self.skip_special_tokens,
-            # Pairs, not a map: msgpack maps want string keys.
-            "logit_bias": [[t, b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
-            "grammar": list(self.grammar) if self.grammar is not None else None,
-        }
+        """Plain values for a message: lists, and ``logit_bias`` as pairs (msgpack maps want string keys)."""
+        d = dict(self.__dict__)
+        d["stop"] = list(self.stop_strings)
+        d["stop_token_ids"] = list(self.stop_ids)
+        d["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()] if self.logit_bias else None
+        d["grammar"] = list(self.grammar) if self.grammar is not None else None
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -186,14 +178,8 @@ class Req:
     prefix_len: int = 0  # prompt tokens taken from the prefix cache at admission
     cache_handle: Any = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None
     step_seed: int = 0  # sampling step count, mixed into a per-request seed
     matcher: Any = None  # the grammar matcher of a constrained request (xgrammar), None once finished
-
-    @property
-    def constrained(self) -> bool:
-        """Whether a grammar constrains this request's next token."""
-        return self.matcher is not None
 
     @property
     def all_ids(self) -> list[int]:
@@ -224,10 +210,9 @@ class Req:
 class Batch:
     """The requests of one forward step and the tensors the model needs.
 
-    ``phase`` is "prefill" (any request extends by one or more tokens from its
-    prompt) or "decode" (every request extends by exactly its last token).
-    ``sample_mask[i]`` says whether request ``i`` reaches the end of its
-    prompt in this step and so samples a token (a non-final prefill chunk does not).
+    ``phase`` is "prefill" (requests extend by one or more prompt tokens) or "decode" (each by
+    its last token). ``sample_mask[i]``: request ``i`` reaches the end of its prompt in this step
+    and so samples a token (a non-final prefill chunk does not).
     """
 
     reqs: list[Req]

@@ -1,35 +1,20 @@
-"""Continuous batching with chunked prefill and admission by KV capacity.
+"""Continuous batching with chunked prefill, admission by KV capacity and overlap scheduling.
 
-Each :meth:`Scheduler.step` runs one batch: a prefill batch when any request
-has prompt tokens left to compute (under the ``chunked_prefill_size`` token
-budget), otherwise a decode batch of every running request. Requests are
-admitted first come, first served while a table row and enough KV pages
-(prompt plus ``max_new_tokens``, see :mod:`minisgl.kvcache.manager`) are free.
+Each :meth:`Scheduler.step` runs one batch: a prefill batch while any request has prompt tokens left
+(under ``chunked_prefill_size``), else a decode batch of every running request. Requests are admitted
+first come, first served while a table row and KV pages for prompt plus ``max_new_tokens`` are free.
+The scheduler owns the :class:`~minisgl.kvcache.KVCacheManager` and hands each batch, with its new
+page-table entries, to :meth:`~minisgl.engine.Engine.prepare` and :meth:`~minisgl.engine.Engine.launch`.
 
-The scheduler owns the :class:`~minisgl.kvcache.KVCacheManager` (built here from the
-engine's pool size and prefix-cache choice): each step allocates the batch's slots,
-takes the page-table entries the engine has not seen yet and hands them, with the
-batch, to :meth:`~minisgl.engine.Engine.prepare` and :meth:`~minisgl.engine.Engine.launch`.
+Overlap (``EngineConfig.overlap_schedule``): batch N+1 is launched before N's tokens are read (a decode
+step feeds each request the token the engine kept on the device), so host work runs while the device
+computes; a request that stops in N may compute one discarded token in N+1. Requests whose sampling
+reads host-side history (penalties, logprobs) switch the scheduler to lock-step while they run.
 
-Overlap scheduling (``EngineConfig.overlap_schedule``): :meth:`Scheduler.step`
-schedules and launches batch N+1 before it reads the tokens of batch N, so the
-host's scheduling and metadata work runs while the device computes. A decode
-step feeds each request the token the device sampled last (kept on the device
-by the engine), so batch N+1 does not need N's tokens on the host. The price: a request that
-stops on EOS or a stop condition in N may compute one more token in N+1,
-which is discarded. Requests whose sampling needs their full output history
-on the host (penalties, logprobs) switch the scheduler to lock-step while
-they run.
-
-Structured output (``SamplingParams.grammar``): the grammar is compiled when the
-request is added (a bad one is refused there, before it holds anything) and the
-request gets a matcher. Each step the scheduler fills the bitmask of the batch's
-constrained rows on the host; the engine's sampler applies it to the logits. The
-mask of step N+1 needs step N's token, so with overlap on, when both the batch
-in flight and the next one have constrained rows, the next batch's forward is
-enqueued first and the batch in flight is read (one host sync) before the mask
-is filled and the next batch sampled: the forward of N+1 still overlaps the
-host's work on N. Batches without constrained rows keep the full overlap.
+Structured output: the grammar is compiled when the request is added (a bad one is refused there) and
+each step fills the bitmask of the batch's constrained rows on the host. N+1's mask needs N's token:
+when both batches have constrained rows, N+1's forward is enqueued first, then N is read (one host
+sync) before the mask is filled, so the forward still overlaps the host's work on N.
 """
 
 from __future__ import annotations
@@ -41,14 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError
+from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError, prompt_problem
 from ..engine import Engine, PendingStep, StepInputs
 from ..engine.grammar import GrammarBackend, TokenMask, error_field
 from ..kvcache import KVCacheManager
 
 logger = logging.getLogger(__name__)
-
-Detokenize = Callable[[Sequence[int]], str]
 
 
 @dataclass
@@ -64,8 +47,7 @@ class TokenEvent:
 class Scheduler:
     """Drives an :class:`Engine`: admission, batching, finishing and abort.
 
-    ``tokenizer`` (a Hugging Face tokenizer) is needed for structured output only: without
-    one, a request with a grammar is refused.
+    ``tokenizer`` (Hugging Face) is needed for structured output only: without one, a grammar is refused.
     """
 
     def __init__(
@@ -73,7 +55,7 @@ class Scheduler:
         engine: Engine,
         *,
         eos_token_ids: Sequence[int] = (),
-        detokenize: Detokenize | None = None,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
         tokenizer: Any = None,
     ):
         self.engine = engine
@@ -95,11 +77,7 @@ class Scheduler:
         self.grammar: GrammarBackend | None = None
         if tokenizer is not None:
             self.grammar = GrammarBackend(
-                tokenizer,
-                self.vocab_size,
-                self.eos_token_ids,
-                max_rows=cfg.max_running_requests,
-                device=engine.device,
+                tokenizer, self.vocab_size, self.eos_token_ids, max_rows=cfg.max_running_requests, device=engine.device
             )
 
     # -------------------------------------------------------------- requests
@@ -107,28 +85,14 @@ class Scheduler:
         """Validate and queue a request; :class:`ValidationError` if it can never run."""
         ids = [int(t) for t in input_ids]
         max_len = self.engine.max_model_len
-        if not ids:
-            raise ValidationError("prompt", "the prompt is empty")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValidationError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= max_len:
-            raise ValidationError(
-                "prompt",
-                f"the prompt has {len(ids)} tokens, but the context length is {max_len} (leave room for output)",
-            )
-        max_new = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
-        if len(ids) + max_new > max_len:
-            raise ValidationError(
-                "max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) = {len(ids) + max_new} "
-                f"exceeds the context length {max_len}",
-            )
+        problem = prompt_problem(ids, params.max_tokens, max_len, self.vocab_size)
+        if problem is not None:
+            raise ValidationError(*problem)
         req = Req(
             rid=next(self._rids) if rid is None else rid,
             input_ids=ids,
             params=params,
-            max_new_tokens=max_new,
+            max_new_tokens=params.max_tokens if params.max_tokens is not None else max_len - len(ids),
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
         if not self.kv.fits_ever(req):
@@ -183,24 +147,15 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Run one batch; return the events of the batch whose tokens arrived.
 
-        With overlap on, that is the batch launched by the previous call (this
-        call's batch is then in flight); otherwise it is this call's batch.
+        With overlap on, that is the batch launched by the previous call (this one's is then in flight).
         """
         if not self.overlap or self._lockstep_reqs > 0:
-            return self._step_lockstep()
-        return self._step_overlap()
-
-    def _step_lockstep(self) -> list[TokenEvent]:
-        events = self._drain()
-        batch = self._schedule()
-        if batch is None:
-            return events
-        pending = self._launch(batch, lambda: self._mask(batch))
-        result = pending.result()
-        return events + self._process(batch, result.tokens, result.logprobs)
-
-    def _step_overlap(self) -> list[TokenEvent]:
-        batch = self._schedule()
+            events = self._drain()
+            batch = self._schedule_prefill() or self._schedule_decode()
+            if batch is None:
+                return events
+            return events + self._process(batch, self._launch(batch, lambda: self._mask(batch)))
+        batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:
             return self._drain()
         events: list[TokenEvent] = []
@@ -221,8 +176,13 @@ class Scheduler:
         self._inflight = (batch, pending)
         return events
 
-    def _schedule(self) -> Batch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+    def _prepare(self, batch: Batch) -> StepInputs:
+        """Allocate KV slots for the batch's new tokens; the engine's inputs for it."""
+        for req in batch.reqs:
+            self.kv.allocate(req, req.device_len)
+        if batch.is_prefill:
+            self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs)
+        return self.engine.prepare(batch, self.kv.take_new_entries(batch.reqs))
 
     def _launch(self, batch: Batch, before_sample: Callable[[], TokenMask | None]) -> PendingStep:
         pending = self.engine.launch(batch, self._prepare(batch), before_sample)
@@ -245,8 +205,7 @@ class Scheduler:
             return []
         batch, pending = self._inflight
         self._inflight = None
-        result = pending.result()
-        return self._process(batch, result.tokens, result.logprobs)
+        return self._process(batch, pending)
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.config.chunked_prefill_size
@@ -261,9 +220,7 @@ class Scheduler:
                 reqs.append(req)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if reqs and self._waits_for_batch_prefix(req, reqs):
-                break
-            if not self.kv.try_admit(req):
+            if (reqs and self._waits_for_batch_prefix(req, reqs)) or not self.kv.try_admit(req):
                 break
             self.waiting.popleft()
             req.status = ReqStatus.RUNNING
@@ -277,12 +234,9 @@ class Scheduler:
         return Batch(reqs, "prefill", sample_mask=[r.device_len == r.prompt_len for r in reqs])
 
     def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
-        """Whether ``req`` should stay queued for now: a request of this batch is computing a longer
-        prefix of its prompt than the prefix cache holds, and the cache will serve it once computed.
-
-        Requests that arrive together with a shared system prompt then compute it once, not once
-        each. The queue stays first come, first served: the requests behind ``req`` wait too.
-        """
+        """Whether ``req`` stays queued because a request of ``batch`` computes a longer prefix of its prompt
+        than the prefix cache holds: requests sharing a system prompt then compute it once. The queue stays
+        first come, first served (the requests behind ``req`` wait too)."""
         if not self.kv.cache.reuses_prefixes:
             return False
         limit = req.prompt_len - 1  # the last prompt token is always computed
@@ -293,9 +247,8 @@ class Scheduler:
         return shared > 0 and shared > self.kv.cached_prefix_len(req.input_ids[:limit])
 
     def _schedule_decode(self) -> Batch | None:
-        # Tokens sampled so far, the one of a batch in flight included, are
-        # cached_len - prompt_len + 1; a request at its max_new_tokens is done
-        # even if the host has not seen its last token yet.
+        # Tokens sampled so far, the one of a batch in flight included, are cached_len - prompt_len + 1;
+        # a request at its max_new_tokens is done even if the host has not seen its last token yet.
         reqs = [
             r
             for r in self.running
@@ -307,17 +260,10 @@ class Scheduler:
             r.device_len = r.cached_len + 1
         return Batch(reqs, "decode", sample_mask=[True] * len(reqs))
 
-    def _prepare(self, batch: Batch) -> StepInputs:
-        """Allocate KV slots for the batch's new tokens; the engine's inputs for it."""
-        for req in batch.reqs:
-            self.kv.allocate(req, req.device_len)
-        if batch.is_prefill:
-            self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs)
-        return self.engine.prepare(batch, self.kv.take_new_entries(batch.reqs))
-
-    def _process(self, batch: Batch, tokens: list[int], logprobs: list[TokenLogprob | None]) -> list[TokenEvent]:
+    def _process(self, batch: Batch, pending: PendingStep) -> list[TokenEvent]:
+        result = pending.result()
         events: list[TokenEvent] = []
-        it = iter(zip(tokens, logprobs, strict=False))
+        it = iter(zip(result.tokens, result.logprobs, strict=False))
         for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
             if not samples:
                 continue
@@ -345,18 +291,14 @@ class Scheduler:
             return "stop"
         if req.params.grammar is not None and (req.matcher is None or req.matcher.is_terminated()):
             return "stop"  # the grammar is complete (or was broken)
-        if req.params.stop_strings and self.detokenize is not None and self._hits_stop_string(req):
-            return "stop"
+        stops = req.params.stop_strings
+        if stops and self.detokenize is not None:
+            tail = self.detokenize(req.output_ids[-(max(len(s) for s in stops) + 8) :])
+            if any(s in tail for s in stops):
+                return "stop"
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"
         return None
-
-    def _hits_stop_string(self, req: Req) -> bool:
-        assert self.detokenize is not None
-        stops = req.params.stop_strings
-        window = max(len(s) for s in stops) + 8
-        tail = self.detokenize(req.output_ids[-window:])
-        return any(s in tail for s in stops)
 
     def _finish(self, req: Req, reason: str) -> None:
         if _needs_lockstep(req):
@@ -367,7 +309,6 @@ class Scheduler:
         self.stats["prompt_tokens"] += req.prompt_len
         self._by_rid.pop(req.rid, None)
 
-    # ------------------------------------------------------------ accounting
     def check_accounting(self) -> None:
         """Assert exact KV page accounting over the live requests."""
         self.kv.check_accounting(self.running)

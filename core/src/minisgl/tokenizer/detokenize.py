@@ -1,18 +1,11 @@
 """Incremental detokenization with stop strings.
 
-Decoding token by token breaks multi-byte characters and merges (a token's
-text can depend on the token before it), so each step decodes a short window:
-the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]`` is the new
-text. A window that ends in an incomplete character (U+FFFD) is held back until
-the next token completes it. Fast tokenizers do this in Rust
-(``tokenizers.decoders.DecodeStream``, about 1 us a token); others through
-two ``decode`` calls a token in Python.
-
-Stop strings: text that could still become a stop string is held back, and the
-output is cut where a stop string begins, so a streamed response never shows
-text past a stop and equals the non-streamed one. Since held-back text is the
-only text a stop string can start in, only that text is searched: the work per
-token is bounded by the stop strings' length, not the output's.
+A token's text can depend on the tokens before it (merges, multi-byte characters), so each step decodes
+a short window and returns what it adds; a window ending in an incomplete character (U+FFFD) is held
+back. Fast tokenizers do this in Rust (``tokenizers.decoders.DecodeStream``), others with two ``decode``
+calls a token. Text that could still become a stop string is held back and the output is cut where one
+begins, so a stream never shows text past a stop; only held-back text is searched (work per token is
+bounded by the stop strings' length, not the output's).
 """
 
 from __future__ import annotations
@@ -58,16 +51,13 @@ class _WindowDecoder:
         return self._advance(self._decode(self.ids[self._prefix :]))
 
 
-class _StreamDecoder:
+class _StreamDecoder(_WindowDecoder):
     """New text per token from ``tokenizers``' Rust ``DecodeStream`` (fast tokenizers)."""
 
     def __init__(self, backend: Any, stream_cls: Any, tokenizer: Any, skip_special_tokens: bool):
+        super().__init__(tokenizer, skip_special_tokens)
         self.backend = backend
         self.stream = stream_cls(skip_special_tokens=skip_special_tokens)
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self._read = 0
 
     def step(self, token: int) -> str | None:
         self.ids.append(token)
@@ -77,16 +67,11 @@ class _StreamDecoder:
         return piece
 
     def flush(self) -> str:
-        if self._read == len(self.ids):
-            return ""
-        start = max(0, self._read - _FLUSH_CONTEXT)
-        before = self.tokenizer.decode(self.ids[start : self._read], skip_special_tokens=self.skip)
-        window = self.tokenizer.decode(self.ids[start:], skip_special_tokens=self.skip)
-        self._read = len(self.ids)
-        return window[len(before) :]
+        self._prefix = max(0, self._read - _FLUSH_CONTEXT)
+        return super().flush()
 
 
-def _piece_decoder(tokenizer: Any, skip_special_tokens: bool) -> _WindowDecoder | _StreamDecoder:
+def _piece_decoder(tokenizer: Any, skip_special_tokens: bool) -> _WindowDecoder:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         try:
