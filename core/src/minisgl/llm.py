@@ -12,7 +12,6 @@ from .engine import Engine
 from .models import eos_token_ids, load_tokenizer
 from .plugins import PluginRegistry
 from .scheduler import Scheduler
-from .scheduler.replicated import ReplicatedScheduler
 
 
 @dataclass
@@ -78,7 +77,6 @@ class LLM:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
         if self._ranks is not None:
-            assert isinstance(self.scheduler, ReplicatedScheduler)
             self._ranks.shutdown(self.scheduler)
         del self.scheduler, self.engine
         import gc

@@ -1,13 +1,8 @@
-"""Messages between the server's processes, encoded with msgpack (never pickle).
+"""Messages between the server's processes: small dataclasses of plain values, encoded with msgpack (never
+pickle) as an extension holding the class tag and the field values in order. Per-step messages are
+columnar (one list per field), so a step of many tokens is one msgpack call with no per-token callbacks.
 
-Every message is a small dataclass of plain values. :func:`encode` writes a
-message as a msgpack extension carrying the class tag and the field values in
-declaration order; :func:`decode` rebuilds it. The per-step messages
-(:class:`StepOutput`, :class:`OutputBatch`) are columnar: one list per field
-rather than one object per token, so a step of 256 tokens is one msgpack call
-with no per-token Python callbacks.
-
-Flow (rid = request id, an int chosen by the API server)::
+Flow (rid: an int chosen by the API server)::
 
     API --GenerateReq/AbortReq--> tokenizer i --TokenizedReq/AbortReq--> scheduler
     API <--RequestFailed-- tokenizer i         (refused before reaching the scheduler)
@@ -15,8 +10,7 @@ Flow (rid = request id, an int chosen by the API server)::
     detokenizer --StopReq--> scheduler         (a stop string ended the request)
     every worker --WorkerStatus/Heartbeat--> launcher (in the API process)
 
-An abort travels through the tokenizer worker that took the request, behind it
-on the same sockets, so the scheduler never sees an abort before its request.
+An abort follows its request through the same tokenizer worker, so the scheduler never sees it first.
 """
 
 from __future__ import annotations
@@ -31,11 +25,8 @@ _EXT_MESSAGE = 1
 
 @dataclass
 class GenerateReq:
-    """A new request from the API server. Exactly one of ``text``, ``messages``, ``input_ids`` is set.
-
-    ``params`` is :meth:`SamplingParams.to_dict`, validated by the API server. ``tools`` (with
-    ``messages`` only) are the request's function tools, for the chat template.
-    """
+    """A new request: exactly one of ``text``, ``messages``, ``input_ids``; ``params`` is
+    :meth:`SamplingParams.to_dict`; ``tools`` (with ``messages``) go to the chat template."""
 
     rid: int
     params: dict[str, Any]
@@ -47,7 +38,7 @@ class GenerateReq:
 
 @dataclass
 class TokenizedReq:
-    """A request as the scheduler receives it: token ids and sampling parameters (``SamplingParams.to_dict``)."""
+    """A request as the scheduler receives it: token ids and ``SamplingParams.to_dict``."""
 
     rid: int
     input_ids: list[int]
@@ -78,7 +69,7 @@ class StopReq:
 
 @dataclass
 class RequestFailed:
-    """Request ``rid`` was refused. ``field`` names the offending parameter."""
+    """Request ``rid`` was refused; ``field`` names the offending parameter."""
 
     rid: int
     field: str
@@ -87,17 +78,13 @@ class RequestFailed:
 
 @dataclass
 class StepOutput:
-    """What one scheduler loop iteration tells the detokenizer.
+    """One scheduler iteration, for the detokenizer: ``rids[i]`` sampled ``tokens[i]``.
 
-    ``rids[i]`` sampled ``tokens[i]``. ``finished`` lists ``[i, finish_reason,
-    stop_token, cached_tokens]`` for the events that ended their request
-    (``stop_token``: it ended on an EOS or stop token id, whose text is not
-    output). ``logprobs`` is None when no event carries any, else one
-    ``[logprob, [[token_id, logprob], ...]]`` or None per event. ``accepted``
-    lists ``[rid, prompt_tokens, stop_strings, skip_special_tokens,
-    wants_logprobs]`` for requests queued in this iteration (always before their
-    first event); ``failed`` lists ``[rid, field, message]``; ``dropped`` lists
-    requests ended without an event (aborted), whose state can go.
+    ``finished``: ``[i, finish_reason, stop_token, cached_tokens]`` per event that ended its request
+    (``stop_token``: an EOS or stop token id, whose text is not output). ``logprobs``: None when no event
+    has any, else per event None or ``[logprob, [[token_id, logprob], ...]]``. ``accepted``: ``[rid,
+    prompt_tokens, stop_strings, skip_special_tokens, wants_logprobs]`` per request queued now (before its
+    first event). ``failed``: ``[rid, field, message]``. ``dropped``: requests ended without an event.
     """
 
     rids: list[int] = field(default_factory=list)
@@ -111,15 +98,12 @@ class StepOutput:
 
 @dataclass
 class OutputBatch:
-    """New output of several requests (detokenizer -> API server), columnar.
+    """New output (detokenizer -> API server): ``texts[i]`` of request ``rids[i]`` (empty while a partial
+    character or possible stop string is held back), ``counts[i]`` its completion tokens so far.
 
-    ``texts[i]`` is the new text of request ``rids[i]`` (possibly empty while a
-    multi-byte character or a possible stop string is held back) and
-    ``counts[i]`` its completion tokens so far. ``finished`` lists ``[i,
-    finish_reason, prompt_tokens, cached_tokens]``. ``logprobs`` is None when no
-    output carries any, else per output None or a list of ``[token_text,
-    logprob, [[alt_text, alt_logprob], ...]]``. ``failed`` lists ``[rid, field,
-    message]`` of requests the scheduler refused.
+    ``finished``: ``[i, finish_reason, prompt_tokens, cached_tokens]``. ``logprobs``: None when no output
+    has any, else per output None or ``[[token_text, logprob, [[alt_text, alt_logprob], ...]], ...]``.
+    ``failed``: ``[rid, field, message]`` of requests the scheduler refused.
     """
 
     rids: list[int] = field(default_factory=list)
@@ -132,11 +116,8 @@ class OutputBatch:
 
 @dataclass
 class WorkerStatus:
-    """A worker's start-up or fatal state, sent to the launcher.
-
-    ``state`` is "ready" (``info`` describes the loaded model), or "error"
-    (``error`` is the message to show the user; ``detail`` the traceback).
-    """
+    """A worker's state for the launcher: "ready" (``info`` describes the model) or "error" (``error`` for
+    the user, ``detail`` the traceback)."""
 
     worker: str
     state: str
@@ -147,12 +128,8 @@ class WorkerStatus:
 
 @dataclass
 class Heartbeat:
-    """A worker is alive (sent every half second by a thread of its own).
-
-    ``busy_for`` is how long the worker has been inside its current unit of work
-    (an engine step), 0 between them; ``state`` holds worker-specific gauges (the
-    scheduler's running and waiting requests and KV pages).
-    """
+    """A worker is alive (every half second, from its own thread). ``busy_for``: seconds inside the current
+    unit of work (an engine step), 0 between; ``state``: worker gauges (running/waiting requests, pages)."""
 
     worker: str
     busy_for: float = 0.0
@@ -191,12 +168,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def encode(message: Any) -> bytes:
-    """msgpack bytes of a message (a dataclass from this module)."""
     return msgpack.packb(message, default=_default, use_bin_type=True)
 
 
 def decode(data: bytes) -> Any:
-    """The message encoded in ``data``."""
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 

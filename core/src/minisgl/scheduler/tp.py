@@ -1,18 +1,16 @@
-"""Starting and stopping the ranks of a tensor-parallel engine.
+"""Tensor parallelism: starting the ranks, and every rank running the same batches in the same order.
 
-Rank 0 runs where the caller is (the offline ``LLM`` or a server's scheduler
-process); the other ranks of this node are processes that build the same
-engine on their shard and follow rank 0 (:func:`~.replicated.follow`).
-With several nodes (``nnodes``), node ``k`` starts ranks
-``k * per_node .. (k + 1) * per_node - 1`` and rank 0's node hosts the store at
-``dist_init_addr``.
+Rank 0 runs where the caller is (the offline ``LLM`` or a server's scheduler process). Before each step
+its :class:`ReplicatedScheduler` broadcasts, as one msgpack message, the requests added and aborted since
+the last one, then "step"; the other ranks replay those calls on their own :class:`Scheduler` (:func:`follow`),
+so batches, pages and sampling (same seeds, logits all-gathered) are identical and the collectives line up.
+With ``nnodes`` nodes, node ``k`` starts ranks ``k * per_node .. (k + 1) * per_node - 1``; rank 0's node
+hosts the store at ``dist_init_addr``.
 
-Each rank is a fresh interpreter running ``python -m minisgl.scheduler.tp_rank``
-(never a fork: CUDA and threads do not survive one; nor a multiprocessing
-spawn, which re-imports the caller's main module and so runs a plain script
-without an ``if __name__ == "__main__":`` guard a second time in every rank).
-While rank 0 waits for the group to form it watches those processes, so a rank
-that dies first is an error at once, naming the rank.
+Each rank is a fresh interpreter running ``python -m minisgl.scheduler.tp_rank``: never a fork (CUDA and
+threads do not survive one) nor a multiprocessing spawn (which re-imports the caller's main module, running
+a script without an ``if __name__ == "__main__":`` guard again in every rank). Rank 0 watches those
+processes while the group forms, so a rank that dies first is an error at once, naming the rank.
 """
 
 from __future__ import annotations
@@ -25,18 +23,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
+
 from ..config import EngineConfig
-from ..distributed.group import TPGroup, free_port, join_group
+from ..core import Req, SamplingParams
+from ..distributed.group import ControlChannel, TPGroup, free_port, join_group
 from ..engine import Engine
 from ..models import eos_token_ids, load_tokenizer
 from ..plugins import PluginRegistry
-from .replicated import ReplicatedScheduler, exit_with_parent, follow
-from .scheduler import Scheduler
+from .scheduler import Scheduler, TokenEvent
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +44,57 @@ T = TypeVar("T")
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed to start or died."""
+
+
+class ReplicatedScheduler(Scheduler):
+    """Rank 0's scheduler: a :class:`Scheduler` whose calls are mirrored to the other ranks."""
+
+    def __init__(self, engine: Engine, *, control: ControlChannel, **kwargs: Any):
+        super().__init__(engine, **kwargs)
+        self.control = control
+        self._pending: list[list[Any]] = []
+        self._stopped = False
+
+    def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
+        req = super().add_request(input_ids, params, rid)  # validation errors stop here, unmirrored
+        self._pending.append(["add", req.rid, req.input_ids, params.to_dict()])
+        return req
+
+    def abort(self, rid: int, reason: str = "abort") -> Req | None:
+        req = super().abort(rid, reason)
+        if req is not None:
+            self._pending.append(["abort", rid])
+        return req
+
+    def step(self) -> list[TokenEvent]:
+        self._pending.append(["step"])
+        self.control.broadcast(msgpack.packb(self._pending))
+        self._pending = []
+        return super().step()
+
+    def stop(self) -> None:
+        """Tell the other ranks to leave their loops (pending adds/aborts go first)."""
+        if not self._stopped:
+            self._stopped = True
+            self.control.broadcast(msgpack.packb([*self._pending, ["stop"]]))
+            self._pending = []
+
+
+def follow(scheduler: Scheduler, control: ControlChannel) -> None:
+    """A non-zero rank's loop: replay rank 0's calls until it says stop."""
+    while True:
+        for msg in msgpack.unpackb(control.broadcast(), strict_map_key=False):
+            kind = msg[0]
+            if kind == "add":
+                scheduler.add_request(msg[2], SamplingParams.from_dict(msg[3]), rid=msg[1])
+            elif kind == "abort":
+                scheduler.abort(msg[1])
+            elif kind == "step":
+                scheduler.step()
+            elif kind == "stop":
+                return
+            else:
+                raise RuntimeError(f"unknown control message {kind!r} from rank 0")
 
 
 @dataclass(frozen=True)
@@ -55,44 +106,24 @@ class Topology:
     node_rank: int = 0
     addr: str = ""
 
-    def __post_init__(self) -> None:
-        if self.tp % self.nnodes:
-            raise ValueError(f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and not self.addr:
-            raise ValueError("several nodes need --dist-init-addr HOST:PORT (reachable from every node)")
-
     @property
     def per_node(self) -> int:
         return self.tp // self.nnodes
 
-    def local_ranks(self) -> list[int]:
-        first = self.node_rank * self.per_node
-        return list(range(first, first + self.per_node))
-
     @classmethod
     def of(cls, config: EngineConfig) -> Topology:
+        if config.nnodes > 1 and not config.dist_init_addr:
+            raise ValueError("several nodes need --dist-init-addr HOST:PORT (reachable from every node)")
         addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
-        return cls(config.tp, config.nnodes, config.node_rank, addr)
+        topo = cls(config.tp, config.nnodes, config.node_rank, addr)
+        if config.device.startswith("cuda"):
+            import torch
 
-
-def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
-    """The config one rank builds its engine from (its own GPU on CUDA)."""
-    if config.device.startswith("cuda"):
-        return config.with_changes(device=f"cuda:{local_rank}")
-    return config
-
-
-def check_devices(config: EngineConfig, topo: Topology) -> None:
-    if config.device.startswith("cuda"):
-        import torch
-
-        have = torch.cuda.device_count()
-        if topo.per_node > have:
-            raise TensorParallelError(
-                f"--tp {topo.tp} over {topo.nnodes} node(s) needs {topo.per_node} GPUs on this node, found {have}"
-            )
+            if topo.per_node > (have := torch.cuda.device_count()):
+                raise TensorParallelError(
+                    f"--tp {topo.tp} over {topo.nnodes} node(s) needs {topo.per_node} GPUs on this node, found {have}"
+                )
+        return topo
 
 
 def build_rank(
@@ -103,46 +134,49 @@ def build_rank(
     registry: PluginRegistry | None,
     ranks: RankProcesses | None = None,
 ) -> tuple[Scheduler, TPGroup, Any]:
-    """Join the group and build this rank's engine, (local) scheduler and tokenizer.
-
-    ``ranks``: the processes this one started, watched while the group forms.
-    """
+    """Join the group (watching the started ``ranks`` meanwhile) and build this rank's engine, (local)
+    scheduler and tokenizer; on CUDA each rank uses GPU ``local_rank``."""
     import torch
 
-    cfg = rank_config(config, local_rank)
+    cfg = config.with_changes(device=f"cuda:{local_rank}") if config.device.startswith("cuda") else config
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if ranks is None:
-        group = join_group(rank, topo.tp, topo.addr, device)
-    else:
-        group = ranks.while_alive(lambda: join_group(rank, topo.tp, topo.addr, device), "joining the group")
+    join = lambda: join_group(rank, topo.tp, topo.addr, device)  # noqa: E731
+    group = join() if ranks is None else ranks.while_alive(join, "joining the group")
     engine = Engine(cfg, registry, tp=group.tp, comm=group.comm)
     tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
     detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
     params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, topo.tp, params / 2**20, cfg.device)
-    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
-    if rank == 0:
-        sched = ReplicatedScheduler(
-            engine, control=group.control, eos_token_ids=eos, detokenize=detok, tokenizer=tokenizer
-        )
-        return sched, group, tokenizer
     # Every rank masks its own (identical) logits, so every rank compiles the grammars too.
-    return Scheduler(engine, eos_token_ids=eos, detokenize=detok, tokenizer=tokenizer), group, tokenizer
+    kwargs = {"eos_token_ids": eos_token_ids(engine.hf_config, tokenizer, engine.source), "detokenize": detok}
+    if rank == 0:
+        return ReplicatedScheduler(engine, control=group.control, tokenizer=tokenizer, **kwargs), group, tokenizer
+    return Scheduler(engine, tokenizer=tokenizer, **kwargs), group, tokenizer
 
 
-def follower_main(config_fields: dict[str, Any], rank: int, local_rank: int, topo_fields: dict[str, Any]) -> None:
-    """Body of a non-zero rank's process (``python -m minisgl.scheduler.tp_rank``)."""
+def follower_main() -> None:
+    """Body of a non-zero rank's process (``python -m minisgl.scheduler.tp_rank``): its launch on stdin."""
+    launch = json.loads(sys.stdin.buffer.read())
+    rank = launch["rank"]
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
-    exit_with_parent()
-    config = EngineConfig(**config_fields)
-    topo = Topology(**topo_fields)
-    scheduler, group, _ = build_rank(config, rank, local_rank, topo, None)
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # no orphaned ranks
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                logger.error("parent process %d is gone; tensor-parallel rank exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch_parent, name="parent-watchdog", daemon=True).start()
+    topo = Topology(**launch["topology"])
+    scheduler, group, _ = build_rank(EngineConfig(**launch["config"]), rank, launch["local_rank"], topo, None)
     follow(scheduler, group.control)
 
 
-class RankProcess:
+class RankProcess(subprocess.Popen[bytes]):
     """One rank's process: a fresh interpreter running :mod:`minisgl.scheduler.tp_rank`, arguments on stdin."""
 
     def __init__(self, name: str, launch: dict[str, Any]):
@@ -151,45 +185,31 @@ class RankProcess:
         # The rank must import this same minisgl, also when the caller put it on sys.path by hand.
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        command = [sys.executable, "-m", "minisgl.scheduler.tp_rank"]
-        self.popen = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
-        assert self.popen.stdin is not None
+        super().__init__([sys.executable, "-m", "minisgl.scheduler.tp_rank"], stdin=subprocess.PIPE, env=env)
+        assert self.stdin is not None
         # A rank that died at once closed its end; the watch on its exit reports it.
-        with contextlib.suppress(BrokenPipeError), self.popen.stdin:
-            self.popen.stdin.write(json.dumps(launch).encode())
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        """None while running; negative for a signal, as for multiprocessing."""
-        return self.popen.poll()
+        with contextlib.suppress(BrokenPipeError), self.stdin:
+            self.stdin.write(json.dumps(launch).encode())
 
     def is_alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.poll() is None
 
     def join(self, timeout: float | None = None) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout)
-
-    def kill(self) -> None:
-        if self.is_alive():
-            self.popen.kill()
+            self.wait(timeout)
 
 
 class RankProcesses:
     """The started ranks of this node (all but rank 0 on node 0)."""
 
     def __init__(self, config: EngineConfig, topo: Topology):
-        fields = config.model_dump(mode="json")
-        self.procs: list[RankProcess] = []
-        for local, rank in enumerate(topo.local_ranks()):
-            if rank == 0:
-                continue
-            launch = {"config": fields, "rank": rank, "local_rank": local, "topology": asdict(topo)}
-            self.procs.append(RankProcess(f"minisgl-tp-rank{rank}", launch))
+        launch = {"config": config.model_dump(mode="json"), "topology": asdict(topo)}
+        first = topo.node_rank * topo.per_node
+        self.procs = [
+            RankProcess(f"minisgl-tp-rank{rank}", {**launch, "rank": rank, "local_rank": local})
+            for local, rank in enumerate(range(first, first + topo.per_node))
+            if rank != 0
+        ]
 
     def while_alive(self, wait: Callable[[], T], what: str) -> T:
         """``wait()`` (run in a helper thread), failing at once when one of the ranks exits meanwhile.
@@ -212,7 +232,7 @@ class RankProcesses:
             for p in self.procs:
                 if not p.is_alive():
                     raise TensorParallelError(
-                        f"tensor-parallel {p.name} (pid {p.pid}) exited with code {p.exitcode} before "
+                        f"tensor-parallel {p.name} (pid {p.pid}) exited with code {p.returncode} before "
                         f"{what}; its own error is in the output above"
                     )
         ok, value = outcome[0]
@@ -221,27 +241,16 @@ class RankProcesses:
         return value  # type: ignore[no-any-return]
 
     def check_alive(self, grace: float = 0.0) -> None:
-        """Raise naming the first rank that has exited; wait up to ``grace`` seconds for one to.
-
-        After a collective failed on a closed connection, a short grace lets the dead rank's exit be
-        seen, so the error names the rank instead of the transport.
-        """
+        """Raise naming the first rank that has exited; wait up to ``grace`` seconds for one to (after a
+        collective failed on a closed connection, so the error names the rank instead of the transport)."""
         deadline = time.monotonic() + grace
         while True:
             for p in self.procs:
                 if not p.is_alive():
-                    raise TensorParallelError(f"tensor-parallel {p.name} exited with code {p.exitcode}")
+                    raise TensorParallelError(f"tensor-parallel {p.name} exited with code {p.returncode}")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
-
-    def join(self, timeout: float = 30.0) -> None:
-        for p in self.procs:
-            p.join(timeout)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
 
     def shutdown(self, scheduler: ReplicatedScheduler, timeout: float = 30.0) -> None:
         """Stop the ranks: tell them through rank 0 if they are all alive, then make sure they are gone.
@@ -256,14 +265,14 @@ class RankProcesses:
                 except RuntimeError as exc:
                     logger.warning("could not tell the other ranks to stop (%s); killing them", exc)
                 else:
-                    self.join(timeout)
+                    for p in self.procs:
+                        p.join(timeout)
         finally:
             self.kill()
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.is_alive():
-                p.kill()
+            p.kill()  # a no-op once it has exited
         for p in self.procs:
             p.join(5)
 
@@ -275,7 +284,6 @@ def start_tensor_parallel(
     topo = Topology.of(config)
     if topo.node_rank != 0:
         raise TensorParallelError("rank 0 runs on node 0; other nodes run followers only")
-    check_devices(config, topo)
     config = config.with_changes(plugins=tuple(registry.active_plugin_names()), dist_init_addr=topo.addr)
     procs = RankProcesses(config, topo)
     try:
@@ -289,13 +297,11 @@ def start_tensor_parallel(
 
 def run_follower_node(config: EngineConfig) -> int:
     """A node other than node 0: start its ranks and wait for them."""
-    topo = Topology.of(config)
-    check_devices(config, topo)
     from ..plugins import load_plugins
 
+    topo = Topology.of(config)
     registry = load_plugins(config.plugins, paths=config.plugin_paths)
-    config = config.with_changes(plugins=tuple(registry.active_plugin_names()))
-    procs = RankProcesses(config, topo)
+    procs = RankProcesses(config.with_changes(plugins=tuple(registry.active_plugin_names())), topo)
     for p in procs.procs:
         p.join()
-    return max((p.exitcode or 0 for p in procs.procs), default=0)
+    return max((p.returncode or 0 for p in procs.procs), default=0)

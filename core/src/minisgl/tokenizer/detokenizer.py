@@ -1,11 +1,7 @@
-"""The detokenizer process: token ids from the scheduler become text for the API server.
+"""The detokenizer process: the scheduler's token ids become text for the API server.
 
-It learns of each request when the scheduler queues it (``StepOutput.accepted``:
-prompt length, stop strings, whether logprobs were asked for), turns every
-step's tokens into new text, and applies stop strings: a request whose output
-reaches one is finished here at once, and the scheduler is told to free it
-(:class:`~minisgl.message.StopReq`), so stop strings are checked in this one
-process only. One Rust call per token with a fast tokenizer.
+Requests are announced in ``StepOutput.accepted``. Stop strings are checked here only: a request that
+reaches one is finished at once and the scheduler is told to free it (:class:`~minisgl.message.StopReq`).
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ from .detokenize import IncrementalDetokenizer
 
 @dataclass
 class _Live:
-    """What the detokenizer keeps for one request."""
-
     detok: IncrementalDetokenizer | None
     logprobs: bool
     prompt_tokens: int
