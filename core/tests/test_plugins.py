@@ -8,7 +8,6 @@ tested in test_plugins_discovery.py.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import warnings
 from typing import Any
@@ -26,7 +25,6 @@ from minisgl.plugins import (
     PluginWarning,
     PrefixCacheSpec,
     UnknownComponentError,
-    Unsupported,
     check_compatible,
     core_version,
     hookimpl,
@@ -34,20 +32,6 @@ from minisgl.plugins import (
 )
 
 BUILTIN = PluginSource("builtin", "minisgl.plugins.builtin", "minisgl", "0.2.0")
-
-
-@pytest.fixture(autouse=True)
-def cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stands in for minisgl.attention.cpu_backend, whose support check the built-in 'cpu' names lazily."""
-    module = types.ModuleType("minisgl.attention.cpu_backend")
-
-    def supported(device: str) -> bool:
-        if device != "cpu":
-            raise Unsupported(f"the C kernels run on the CPU, not on {device}")
-        return True
-
-    module.supported = supported  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "minisgl.attention.cpu_backend", module)
 
 
 def plugin(name: str, **hooks: Any) -> types.ModuleType:
@@ -78,7 +62,8 @@ def attn(name: str, **kw: Any) -> AttentionBackendSpec:
 # ------------------------------------------------------------------ built-ins
 def test_builtin_components() -> None:
     reg = load()
-    assert reg.names("attention") == ["cpu", "torch"]
+    assert reg.names("attention") == ["torch"]
+    assert reg.names("kernels") == ["torch"]
     assert reg.names("kv_pool") == ["mha"]
     assert reg.names("prefix_cache") == ["naive"]
     assert reg.names("moe") == ["torch"]
@@ -158,7 +143,7 @@ def test_aliases_resolve_to_the_same_spec() -> None:
     reg = load(source("flash", minisgl_attention_backends=[spec]))
     assert reg.get("attention", "fl") is spec and reg.get("attention", "fast") is spec
     assert reg.has("attention", "fast") and not reg.has("kv_pool", "fast")
-    assert reg.names("attention") == ["cpu", "flash", "torch"]
+    assert reg.names("attention") == ["flash", "torch"]
 
 
 def test_auto_picks_the_highest_priority_supported_spec() -> None:
@@ -168,11 +153,11 @@ def test_auto_picks_the_highest_priority_supported_spec() -> None:
     assert reg.pick("attention", "auto", "cuda").name == "gpu"
     assert reg.pick("attention", "auto", "cuda:1").name == "gpu"  # the device index does not matter
     assert reg.pick("attention", "auto", "cpu").name == "mid"
-    assert reg.supported("attention", "cpu") == ["cpu", "mid", "torch"]
+    assert reg.supported("attention", "cpu") == ["mid", "torch"]
     with pytest.raises(
         UnknownComponentError,
         match=r"^attention backend 'gpu' does not support device 'cpu'; "
-        r"attention backends that do: cpu, mid, torch$",
+        r"attention backends that do: mid, torch$",
     ):
         reg.pick("attention", "gpu", "cpu")
 
@@ -182,7 +167,7 @@ def test_broken_support_check_means_unsupported() -> None:
         raise RuntimeError("driver missing")
 
     reg = load(source("k", minisgl_attention_backends=[attn("odd", priority=99, is_supported=check)]))
-    assert reg.pick("attention", "auto", "cpu").name == "cpu"
+    assert reg.pick("attention", "auto", "cpu").name == "torch"
 
 
 def test_auto_with_nothing_supported() -> None:
@@ -254,7 +239,7 @@ def test_override_wins_with_a_warning(order: str) -> None:
         )
     assert reg.get("attention", "torch") is mine
     builtin = next(p for p in reg.plugins if p.name == "builtin")
-    assert builtin.provides["attention"] == ["cpu"] and builtin.overridden == {"attention": ["torch"]}
+    assert "attention" not in builtin.provides and builtin.overridden == {"attention": ["torch"]}
     if order == "override-first":
         zzz = next(p for p in reg.plugins if p.name == "zzz")
         assert zzz.overridden == {"attention": ["torch"]} and zzz.provides == {}
@@ -473,7 +458,7 @@ def test_auto_follows_pluggy_call_order() -> None:
 
     plain = PluginSource("plain", Plain(), "plain-dist", "1.0")
     reg = load(PluginSource("zfirst", First(), "first-dist", "1.0"), plain)
-    assert [s.name for s in reg.ranked("attention", "cpu")] == ["fast", "good", "good-old", "cpu", "torch"]
+    assert [s.name for s in reg.ranked("attention", "cpu")] == ["fast", "good", "good-old", "torch"]
     assert [s.name for s in reg.ranked("attention", "cuda")] == ["fast", "good", "good-old", "torch"]
     assert reg.pick("prefix_cache", "auto", "cpu").name == "tree"  # any plugin outranks the built-in 'naive'
     reg = load(plain)
@@ -484,23 +469,13 @@ def test_auto_follows_pluggy_call_order() -> None:
     )
 
 
-def test_builtin_cpu_backend_ranks_above_torch_on_cpu_only() -> None:
-    reg = load()
-    assert [s.name for s in reg.ranked("attention", "cpu")] == ["cpu", "torch"]
-    assert [s.name for s in reg.ranked("attention", "cuda:0")] == ["torch"]
-    cpu = reg.get("attention", "cpu")
-    assert cpu.factory == "minisgl.attention.cpu_backend:CPUAttnBackend"
-    assert cpu.unsupported_reason("cuda") == "the C kernels run on the CPU, not on cuda"
-    assert cpu.description == "native C kernels over the paged KV cache (CPU, float32)"
-
-
 # ----------------------------------------------------- unknown components
 def test_unknown_name_lists_what_is_installed_and_where_to_look() -> None:
     reg = load()
     with pytest.raises(UnknownComponentError) as info:
         reg.get("attention", "flashinfer")
     assert str(info.value) == (
-        "unknown attention backend 'flashinfer'; installed: cpu (minisgl), torch (minisgl). "
+        "unknown attention backend 'flashinfer'; installed: torch (minisgl). "
         "`minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."
     )
     assert "pip install" not in str(info.value)
@@ -532,12 +507,12 @@ def test_unknown_name_suggests_a_close_one_and_inactive_plugins() -> None:
     with pytest.raises(UnknownComponentError) as info:
         reg.get("attention", "troch")
     assert str(info.value) == (
-        "unknown attention backend 'troch'; installed: cpu (minisgl), torch (minisgl). Did you mean 'torch'? "
+        "unknown attention backend 'troch'; installed: torch (minisgl). Did you mean 'torch'? "
         "Installed plugins that are not active: broken (failed: ModuleNotFoundError: No module named "
         "'no_such_module_for_minisgl'). `minisgl plugins` lists each plugin and what it provides; "
         "docs/plugins.md says how to add one."
     )
-    with pytest.raises(UnknownComponentError, match=r"installed: cpu \(minisgl\), torch \(minisgl\)\. Installed"):
+    with pytest.raises(UnknownComponentError, match=r"installed: torch \(minisgl\)\. Installed"):
         reg.get("attention", "xqa")  # nothing close: no suggestion
 
 
@@ -545,5 +520,5 @@ def test_engine_facing_api_with_installed_plugins() -> None:
     """The engine calls load_plugins(config.plugins): built-ins are always there, installed or not."""
     reg = load_plugins(environ={"MINISGL_PLUGINS": ""})
     assert reg.active_plugin_names() == ["builtin"]
-    assert reg.pick("attention", "auto", "cpu").name == "cpu"
+    assert reg.pick("attention", "auto", "cpu").name == "torch"
     assert reg.pick("prefix_cache", "auto", "cpu").name == "naive"

@@ -20,7 +20,7 @@ PUBLIC: dict[str, set[str] | None] = {
     "minisgl.models": None,
     "minisgl.moe": None,
     "minisgl.distributed": None,
-    "minisgl.kernel": {"KernelSet", "select_kernels"},
+    "minisgl.kernel": {"KernelSet", "QKNorm", "rms_norm", "select_kernels"},
     "minisgl.core": {"Batch", "Req", "SamplingParams", "TokenLogprob", "ValidationError"},
 }
 

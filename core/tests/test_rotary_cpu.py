@@ -1,12 +1,12 @@
-"""The CPU rope paths (PyTorch, and the native kernel where it builds): rotation factors reused across
-layers, layouts the attention kernels need."""
+"""The CPU rope path of the reference kernel set: rotation factors reused across layers, layouts the
+attention kernels need, partial rotary (minisgl-plugin-cpu runs the same checks on its native set)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minisgl.kernel import KernelSet, NativeCPUKernels, select_kernels
+from minisgl.kernel import KernelSet
 from minisgl.layers.rotary import RotaryEmbedding
 
 
@@ -20,16 +20,12 @@ def _reference(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) 
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _rope(path: str) -> RotaryEmbedding:
-    kernels = KernelSet() if path == "torch" else select_kernels("cpu", torch.float32)
-    if path == "native" and not isinstance(kernels, NativeCPUKernels):
-        pytest.skip("the native CPU kernels are unavailable here")
-    return RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"}, kernels=kernels)
+def _rope() -> RotaryEmbedding:
+    return RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"}, kernels=KernelSet())
 
 
-@pytest.mark.parametrize("path", ["torch", "native"])
-def test_rope_matches_reference_and_reuses_factors_only_for_unchanged_positions(path: str) -> None:
-    rope = _rope(path)
+def test_rope_matches_reference_and_reuses_factors_only_for_unchanged_positions() -> None:
+    rope = _rope()
     gen = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 5, 77, 300])
     q, k = torch.randn(4, 9, 64, generator=gen), torch.randn(4, 3, 64, generator=gen)
@@ -42,10 +38,9 @@ def test_rope_matches_reference_and_reuses_factors_only_for_unchanged_positions(
     torch.testing.assert_close(got_q.double(), _reference(q, positions), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["torch", "native"])
-def test_rope_output_has_contiguous_head_dim_for_column_major_input(path: str) -> None:
+def test_rope_output_has_contiguous_head_dim_for_column_major_input() -> None:
     """A weight-major GEMM leaves q/k column-major; SDPA on CPU needs head_dim contiguous for its fast kernel."""
-    rope = _rope(path)
+    rope = _rope()
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(12 * 64, 4, generator=gen).t()  # [4 tokens, 12 heads * 64], column-major
     q, k = qkv[:, : 9 * 64].reshape(4, 9, 64), qkv[:, 9 * 64 :].reshape(4, 3, 64)
@@ -67,9 +62,8 @@ def _phi3_config(**fields):  # type: ignore[no-untyped-def]
     return Phi3Config(**{**base, **fields})
 
 
-@pytest.mark.parametrize("path", ["torch", "native"])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_partial_rotary_matches_transformers(path: str, qk_norm: bool) -> None:
+def test_partial_rotary_matches_transformers(qk_norm: bool) -> None:
     """The rotated part and the pass-through part equal transformers' Phi-3 rope (its apply_rotary_pos_emb)."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
@@ -79,10 +73,7 @@ def test_partial_rotary_matches_transformers(path: str, qk_norm: bool) -> None:
     cfg = _phi3_config(partial_rotary_factor=0.5)
     params = rope_parameters(cfg)
     assert params["partial_rotary_factor"] == 0.5
-    kernels = KernelSet() if path == "torch" else select_kernels("cpu", torch.float32)
-    if path == "native" and not isinstance(kernels, NativeCPUKernels):
-        pytest.skip("the native CPU kernels are unavailable here")
-    rope = RotaryEmbedding(32, 512, params, kernels=kernels)
+    rope = RotaryEmbedding(32, 512, params, kernels=KernelSet())
     assert rope.rotary_dim == 16
     gen = torch.Generator().manual_seed(2)
     positions = torch.tensor([0, 5, 77, 300, 511])
