@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import EngineConfig
-from .core import SamplingParams, TokenLogprob
+from .core import Req, SamplingParams, TokenLogprob
 from .engine import Engine
 from .models import eos_token_ids, load_tokenizer
 from .plugins import PluginRegistry
@@ -26,34 +27,24 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def stop_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Cut ``text`` at the first stop string; whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
 class LLM:
-    """An engine and scheduler in this process, for batch generation.
-
-    Keyword arguments are :class:`~minisgl.config.EngineConfig` fields.
-    """
+    """An engine and scheduler in this process, for batch generation; keyword arguments are
+    :class:`~minisgl.config.EngineConfig` fields."""
 
     def __init__(self, model: str, *, registry: PluginRegistry | None = None, tokenizer: Any = None, **kwargs: Any):
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = cfg = EngineConfig(model=model, **kwargs)
         self._ranks: Any = None
         self.scheduler: Scheduler
-        if self.config.tp > 1:
+        if cfg.tp > 1:
             from .plugins import load_plugins
             from .scheduler.tp import start_tensor_parallel
 
-            reg = (
-                registry if registry is not None else load_plugins(self.config.plugins, paths=self.config.plugin_paths)
-            )
-            self.scheduler, self._ranks, own_tokenizer = start_tensor_parallel(self.config, reg)
+            reg = registry if registry is not None else load_plugins(cfg.plugins, paths=cfg.plugin_paths)
+            self.scheduler, self._ranks, own_tokenizer = start_tensor_parallel(cfg, reg)
             self.engine = self.scheduler.engine
             tokenizer = tokenizer if tokenizer is not None else own_tokenizer
         else:
-            self.engine = Engine(self.config, registry)
+            self.engine = Engine(cfg, registry)
             if tokenizer is None and self.engine.source is not None:
                 tokenizer = load_tokenizer(self.engine.source)
             eos = eos_token_ids(self.engine.hf_config, tokenizer, self.engine.source)
@@ -79,8 +70,6 @@ class LLM:
         if self._ranks is not None:
             self._ranks.shutdown(self.scheduler)
         del self.scheduler, self.engine
-        import gc
-
         gc.collect()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -102,25 +91,24 @@ class LLM:
             raise RuntimeError("this LLM has been closed")
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompt_list: list[Any] = [prompts] if single else list(prompts)
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} sampling params")
-        sched = self.scheduler
+        sched, ranks = self.scheduler, self._ranks
         reqs = []
         try:
             for p, sp in zip(prompt_list, param_list):
-                reqs.append(sched.add_request(self.encode(p), sp))  # type: ignore[arg-type]
-            bar = _progress(len(reqs), use_tqdm)
+                reqs.append(sched.add_request(self.encode(p), sp))
+            bar = _progress(len(reqs)) if use_tqdm and len(reqs) > 1 else None
             while any(not r.is_finished for r in reqs):
-                if self._ranks is not None:
-                    self._ranks.check_alive()
+                if ranks is not None:
+                    ranks.check_alive()
                 try:
                     events = sched.step()
                 except RuntimeError:
-                    if self._ranks is not None:
-                        self._ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
+                    if ranks is not None:
+                        ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
                     raise
                 if bar is not None:
                     bar.update(sum(1 for e in events if e.finished))
@@ -132,20 +120,15 @@ class LLM:
             raise
         return [self._output(r) for r in reqs]
 
-    def _output(self, req: Any) -> RequestOutput:
+    def _output(self, req: Req) -> RequestOutput:
         text = ""
-        reason = req.finish_reason or "length"
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
-            if req.params.stop_strings:
-                text, _ = stop_text(text, req.params.stop_strings)
+            # Cut at the first stop string, as a server stream does.
+            cut = min((i for i in (text.find(s) for s in req.params.stop_strings) if i >= 0), default=-1)
+            text = text[:cut] if cut >= 0 else text
         return RequestOutput(
-            prompt_token_ids=req.input_ids,
-            token_ids=list(req.output_ids),
-            text=text,
-            finish_reason=reason,
-            cached_tokens=req.prefix_len,
-            logprobs=list(req.logprobs),
+            req.input_ids, list(req.output_ids), text, req.finish_reason or "length", req.prefix_len, list(req.logprobs)
         )
 
     def check_accounting(self) -> None:
@@ -155,13 +138,10 @@ class LLM:
     @property
     def kv_pages_in_use(self) -> int:
         """Pages owned by live requests (not free and not held by the prefix cache)."""
-        kv = self.scheduler.kv
-        return kv.used_pages - kv.cache_pages
+        return self.scheduler.kv.used_pages - self.scheduler.kv.cache_pages
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled or total < 2:
-        return None
+def _progress(total: int) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover

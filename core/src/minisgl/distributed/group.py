@@ -1,10 +1,8 @@
 """Joining a tensor-parallel group without touching torch.distributed's global state.
 
-Each rank builds its own process-group objects from a TCP store, so the group
-belongs to the engine that made it (no ``init_process_group``): two engines in
-one process, or a test that makes several groups, do not interfere. Two groups
-are made: one for tensors (NCCL on CUDA, gloo on CPU) and a gloo one for
-control messages from rank 0 (:class:`ControlChannel`).
+Each rank builds its own process groups from a TCP store (no ``init_process_group``), so a group belongs
+to the engine that made it and several groups in one process do not interfere: one for tensors (NCCL on
+CUDA, gloo on CPU) and a gloo one for rank 0's control messages (:class:`ControlChannel`).
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .comm import Communicator
-from .info import TPInfo
+from . import Communicator, TorchDistCommunicator, TPInfo
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 # Followers wait on the control channel for as long as rank 0 is idle (a server with no
@@ -35,31 +32,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"distributed init address must look like HOST:PORT, got '{addr}'")
-    return host, int(port)
-
-
-class ProcessGroupCommunicator(Communicator):
-    """All-reduce and all-gather on a process-group object owned by this communicator."""
-
-    def __init__(self, pg: Any, world_size: int):
-        self.pg = pg
-        self.world_size = world_size
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.pg.allreduce([x]).wait()
-        return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self.pg.allgather([parts], [x]).wait()
-        return torch.cat(parts, dim=dim)
-
-
 class ControlChannel:
     """Rank 0 broadcasts byte messages (msgpack) to every other rank, in order."""
 
@@ -71,13 +43,8 @@ class ControlChannel:
         """Rank 0 passes ``payload``; every rank returns it."""
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
         self.pg.broadcast(size, 0).wait()
-        if self.rank == 0:
-            assert payload is not None
-            data = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if payload
-                else torch.empty(0, dtype=torch.uint8)
-            )
+        if payload:  # rank 0
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         else:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         if data.numel():
@@ -87,7 +54,7 @@ class ControlChannel:
 
 @dataclass
 class TPGroup:
-    """This rank's place in the group and its communication objects."""
+    """This rank's place in the group and its communication objects (``store`` kept alive with them)."""
 
     tp: TPInfo
     comm: Communicator
@@ -96,29 +63,26 @@ class TPGroup:
 
 
 def join_group(
-    rank: int,
-    world_size: int,
-    addr: str,
-    device: torch.device,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    rank: int, world_size: int, addr: str, device: torch.device, timeout: datetime.timedelta = DEFAULT_TIMEOUT
 ) -> TPGroup:
     """Join the group whose store rank 0 hosts at ``addr`` (HOST:PORT)."""
     import torch.distributed as dist
 
-    host, port = parse_addr(addr)
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"distributed init address must look like HOST:PORT, got '{addr}'")
     try:
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=timeout)
     except (RuntimeError, OSError) as exc:
         raise DistributedError(
             f"rank {rank} could not reach the tensor-parallel group at {addr}: {exc}; "
             "check --dist-init-addr and that rank 0 is running"
         ) from exc
     ctrl = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, CONTROL_TIMEOUT)
+    tensors = dist.PrefixStore("tensors", store)
     if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        pg: Any = dist.ProcessGroupNCCL(dist.PrefixStore("tensors", store), rank, world_size, opts)
+        pg: Any = dist.ProcessGroupNCCL(tensors, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("tensors", store), rank, world_size, timeout)
-    return TPGroup(
-        TPInfo(rank, world_size), ProcessGroupCommunicator(pg, world_size), ControlChannel(ctrl, rank), store
-    )
+        pg = dist.ProcessGroupGloo(tensors, rank, world_size, timeout)
+    comm = TorchDistCommunicator(pg, world_size)
+    return TPGroup(TPInfo(rank, world_size), comm, ControlChannel(ctrl, rank), store)
