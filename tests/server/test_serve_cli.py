@@ -154,7 +154,7 @@ def test_likely_device_reads_the_torch_build_and_the_driver(tmp_path: Path, monk
     """``--device auto`` is resolved for the preflight checks without importing torch."""
     import importlib.util
 
-    from minisgl.server import engine_build
+    from minisgl.server import settings as engine_build
 
     pkg = tmp_path / "torch"
     pkg.mkdir()
@@ -179,7 +179,7 @@ def test_likely_device_reads_the_torch_build_and_the_driver(tmp_path: Path, monk
 
 def test_a_backend_that_cannot_run_here_fails_before_any_worker_starts(tmp_path: Path) -> None:
     """``--attn flashinfer`` with the default ``--device auto`` on a CPU-only torch: refused with the reason."""
-    from minisgl.server.engine_build import likely_device
+    from minisgl.server.settings import likely_device
 
     if likely_device() != "cpu":
         pytest.skip("needs a machine whose torch runs on the CPU")

@@ -41,7 +41,7 @@ def run_chat(
     from ..core import SamplingParams, ValidationError
     from ..llm import LLM
     from ..tokenizer import IncrementalDetokenizer
-    from .process import user_error
+    from .workers import user_error
 
     out = stdout or sys.stdout
     inp = stdin or sys.stdin

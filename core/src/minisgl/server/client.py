@@ -1,12 +1,8 @@
-"""The API server's side of the ZMQ links: submit requests, route outputs back to them.
+"""The API server's side of the ZMQ links: submit requests, route outputs back to them, count them.
 
-Requests go to the least busy tokenizer worker (fewest requests sent to it
-whose first output has not come back yet); an abort follows its request
-through the same worker, so it can never overtake it. One reader task receives
-every :class:`~minisgl.message.OutputBatch` from the detokenizer and hands each
-output to the :class:`Sink` of its request (a job of one HTTP request) without
-allocating anything per token. When a worker dies, :meth:`EngineClient.fail_all`
-wakes every waiting request with the reason.
+A request goes to the least busy tokenizer worker (fewest requests whose first output has not come back); its
+abort follows it through the same worker, so it can never overtake it. One reader task hands each output of an
+:class:`~minisgl.message.OutputBatch` to the :class:`Sink` of its request without allocating anything per token.
 """
 
 from __future__ import annotations
@@ -18,9 +14,48 @@ from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..message import AbortReq, GenerateReq, OutputBatch, RequestFailed, TokenizerLimits, decode, encode
-from .metrics import ServerMetrics
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server, in a registry of its own: counters and histograms updated as outputs
+    arrive, gauges refreshed from the scheduler's heartbeat on scrape."""
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.gauges = {  # heartbeat state key -> gauge
+            "running": Gauge("minisgl_num_requests_running", "Requests being decoded", registry=r),
+            "waiting": Gauge("minisgl_num_requests_waiting", "Requests queued for admission", registry=r),
+            "kv_pages_used": Gauge("minisgl_kv_pages_used", "KV cache pages owned by live requests", registry=r),
+            "kv_pages_cached": Gauge("minisgl_kv_pages_cached", "KV cache pages held by the prefix cache", registry=r),
+            "kv_pages_total": Gauge("minisgl_kv_pages_total", "Usable KV cache pages", registry=r),
+        }
+        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
+        self.finished = Counter(
+            "minisgl_requests_finished", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.aborted = Counter("minisgl_requests_aborted", "Requests aborted because the client went away", registry=r)
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds", "Request to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "minisgl_inter_token_latency_seconds", "Between two tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        Gauge("minisgl_model_info", "The served model", ["model"], registry=r).labels(model_name).set(1)
+
+    def update(self, state: dict[str, Any]) -> None:
+        """Set the gauges from the scheduler's heartbeat state (kept as they are when it has none)."""
+        for key, gauge in self.gauges.items():
+            if key in state:
+                gauge.set(state[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class ServerGone(RuntimeError):
@@ -28,7 +63,7 @@ class ServerGone(RuntimeError):
 
 
 class Sink(Protocol):
-    """Where the outputs of one request go (see :class:`minisgl.server.serving.Job`)."""
+    """Where the outputs of one request go (a :class:`minisgl.server.serving.Job`)."""
 
     submitted: float  # time.monotonic() when it was sent
     last: float | None  # when its last output arrived
@@ -83,7 +118,6 @@ class EngineClient:
         """Requests submitted and not finished yet."""
         return len(self.sinks)
 
-    # ------------------------------------------------------------ requests
     def new_rid(self) -> int:
         return next(self._rids)
 
@@ -93,25 +127,24 @@ class EngineClient:
             raise ServerGone(self.gone)
         worker = min(range(len(self._load)), key=self._load.__getitem__)
         self._load[worker] += 1
-        self._first[req.rid] = worker
-        self._route[req.rid] = worker
+        self._first[req.rid] = self._route[req.rid] = worker
         self.sinks[req.rid] = sink
         await self._pushes[worker].send(encode(req))
 
     async def abort(self, rid: int) -> None:
         """Stop request ``rid`` (its KV pages are freed); nothing more arrives for it."""
-        sink = self.sinks.pop(rid, None)
-        self._started(rid)
-        worker = self._route.pop(rid, None)
+        sink, worker = self._forget(rid)
         if sink is not None and worker is not None and self.gone is None:
             self.metrics.aborted.inc()
             await self._pushes[worker].send(encode(AbortReq(rid)))
 
     def release(self, rid: int) -> None:
         """Forget a request that finished or was refused."""
-        self.sinks.pop(rid, None)
-        self._route.pop(rid, None)
+        self._forget(rid)
+
+    def _forget(self, rid: int) -> tuple[Sink | None, int | None]:
         self._started(rid)
+        return self.sinks.pop(rid, None), self._route.pop(rid, None)
 
     def _started(self, rid: int) -> None:
         worker = self._first.pop(rid, None)
@@ -124,7 +157,6 @@ class EngineClient:
         for sink in list(self.sinks.values()):
             sink.on_gone(reason)
 
-    # -------------------------------------------------------------- reader
     async def _read(self) -> None:
         while True:
             msg = decode(await self._pull.recv())
@@ -136,9 +168,7 @@ class EngineClient:
                 self._fail(msg.rid, msg.field, msg.message)
 
     def _fail(self, rid: int, field: str, message: str) -> None:
-        sink = self.sinks.pop(rid, None)
-        self._route.pop(rid, None)
-        self._started(rid)
+        sink, _ = self._forget(rid)
         if sink is not None:
             sink.on_failed(field, message)
 

@@ -1,16 +1,8 @@
 """Starting, watching and stopping the server's processes.
 
-::
-
-    this process: API server (FastAPI + uvicorn)  <-ZMQ->  tokenizer/detokenizer  <-ZMQ->  scheduler (rank 0)
-                                                                                      `- ranks 1..tp-1 (its children)
-
-Workers are spawned (never forked: CUDA and threads do not survive a fork),
-each given a msgpack-encoded argument dict with the plugin names this process
-resolved. IPC sockets live in a private temporary directory removed at exit.
-The launcher waits until every worker reports "ready"; a worker's start-up
-error (bad model, unknown architecture, out of memory) is raised as
-:class:`StartupError` with that worker's message.
+This process runs the API server (FastAPI + uvicorn); over ZMQ it talks to the tokenizer workers and the
+detokenizer, which talk to the scheduler (rank 0, which starts ranks 1..tp-1 as its children). IPC sockets live
+in a private temporary directory; a worker's start-up error is raised as :class:`StartupError` with its message.
 """
 
 from __future__ import annotations
@@ -33,8 +25,8 @@ import zmq
 from uvicorn import Config, Server
 
 from ..message import Heartbeat, WorkerStatus, decode
-from .process import pack_args
 from .settings import ServeSettings
+from .workers import pack_args
 
 logger = logging.getLogger("minisgl.server")
 
@@ -45,12 +37,6 @@ class StartupError(RuntimeError):
 
 class Terminated(Exception):
     """SIGTERM arrived while the launcher was not inside uvicorn."""
-
-
-@dataclass
-class Worker:
-    name: str
-    process: Any  # multiprocessing.Process (spawn context)
 
 
 @dataclass
@@ -68,14 +54,13 @@ class Launcher:
         self.settings = settings
         self.plugins = plugins
         self.socket_dir = make_socket_dir()
-        cpus = os.cpu_count() or 2
-        count = settings.tokenizer_workers or max(1, min(4, cpus // 4))
+        count = settings.tokenizer_workers or max(1, min(4, (os.cpu_count() or 2) // 4))
         self.tokenizers = [f"tokenizer-{i}" for i in range(count)]
         self.addresses = {
             name: f"ipc://{os.path.join(self.socket_dir, name)}.sock"
             for name in ("api", *self.tokenizers, "detokenizer", "scheduler", "status")
         }
-        self.workers: list[Worker] = []
+        self.workers: dict[str, Any] = {}  # name -> multiprocessing.Process (spawn context)
         self._ctx = zmq.Context()
         self._status = self._ctx.socket(zmq.PULL)
         self._status.bind(self.addresses["status"])
@@ -84,46 +69,38 @@ class Launcher:
         self._beats: dict[str, tuple[float, Heartbeat | None]] = {}  # worker -> (when, last heartbeat)
 
     def start(self) -> dict[str, Any]:
-        """Spawn every worker and wait until all are ready; the scheduler's model info."""
-        from .scheduler_worker import scheduler_main
-        from .text_workers import detokenizer_main, tokenizer_main
+        """Spawn every worker (never forked: CUDA and threads do not survive a fork) and wait until all are ready;
+        the scheduler's model info."""
+        from .workers import detokenizer_main, scheduler_main, tokenizer_main
 
         ctx = mp.get_context("spawn")
+        model = self.settings.model
         engine = {**self.settings.engine_fields(), "plugins": self.plugins}
-        # Rank 0 starts the other tensor-parallel ranks itself and owns them (they follow its every step).
-        self._spawn(ctx, "scheduler-0", scheduler_main, {"addresses": self.addresses, "engine": engine, "rank": 0})
-        for name in self.tokenizers:
-            args = {"addresses": self.addresses, "model": self.settings.model, "name": name}
-            self._spawn(ctx, name, tokenizer_main, args)
-        self._spawn(ctx, "detokenizer", detokenizer_main, {"addresses": self.addresses, "model": self.settings.model})
-        logger.info("workers: %s", ", ".join(f"{w.name} pid={w.process.pid}" for w in self.workers))
-        pending = {w.name for w in self.workers}
+        spawns: list[tuple[str, Any, dict[str, Any]]] = [("scheduler-0", scheduler_main, {"engine": engine, "rank": 0})]
+        spawns += [(name, tokenizer_main, {"model": model, "name": name}) for name in self.tokenizers]
+        spawns.append(("detokenizer", detokenizer_main, {"model": model}))
+        for name, target, args in spawns:
+            launch = pack_args({"addresses": self.addresses, **args})
+            self.workers[name] = ctx.Process(target=target, args=(launch,), name=f"minisgl-{name}", daemon=False)
+            self.workers[name].start()
+        logger.info("workers: %s", ", ".join(f"{name} pid={p.pid}" for name, p in self.workers.items()))
+        pending = set(self.workers)
         while pending:
             msg = self._next_status(0.2)
+            if isinstance(msg, WorkerStatus) and msg.state == "error":
+                logger.debug("%s failed:\n%s", msg.worker, msg.detail)
+                raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
             if isinstance(msg, WorkerStatus):
-                if msg.state == "error":
-                    logger.debug("%s failed:\n%s", msg.worker, msg.detail)
-                    raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
                 pending.discard(msg.worker)
                 self._beats[msg.worker] = (time.monotonic(), None)
                 if msg.worker == "scheduler-0":
                     self.info = msg.info
-                continue
-            if msg is not None:
-                continue
-            dead = self.dead_worker()
-            if dead is not None:
-                # Its error report may still be in flight: give it a moment.
-                msg = self._next_status(1.0)
+            elif msg is None and (dead := self.dead_worker()) is not None:
+                msg = self._next_status(1.0)  # its error report may still be in flight: give it a moment
                 if isinstance(msg, WorkerStatus) and msg.state == "error":
                     raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
                 raise StartupError(dead)
         return self.info
-
-    def _spawn(self, ctx: Any, name: str, target: Any, args: dict[str, Any]) -> None:
-        proc = ctx.Process(target=target, args=(pack_args(args),), name=f"minisgl-{name}", daemon=False)
-        proc.start()
-        self.workers.append(Worker(name, proc))
 
     def _next_status(self, timeout: float) -> WorkerStatus | Heartbeat | None:
         if self._status.poll(int(timeout * 1000)):
@@ -136,18 +113,16 @@ class Launcher:
 
     def dead_worker(self) -> str | None:
         """A description of the first worker that has exited, if any."""
-        for w in self.workers:
-            code = w.process.exitcode
+        for name, proc in self.workers.items():
+            code = proc.exitcode
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                return f"the {w.name} process {how}"
+                return f"the {name} process {how}"
         return None
 
     def check(self) -> str | None:
-        """Why the server can no longer serve (a worker died or reported a fatal error), or None.
-
-        Also takes in every heartbeat that arrived since the last call (see :meth:`health`).
-        """
+        """Why the server can no longer serve (a worker died or reported a fatal error), or None; also takes in
+        every heartbeat that arrived since the last call."""
         while (msg := self._next_status(0)) is not None:
             if self.failure is None and isinstance(msg, WorkerStatus) and msg.state == "error":
                 self.failure = f"the {msg.worker} process failed: {msg.error}"
@@ -170,73 +145,67 @@ class Launcher:
                     problem = f"the engine has been inside one step for {beat.busy_for:.0f} s (stalled)"
         return Health(problem, scheduler)
 
-    def pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers if w.process.pid is not None]
-
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every worker (SIGTERM, then SIGKILL) and remove the socket directory."""
-        for w in self.workers:
-            if w.process.exitcode is None:
-                w.process.terminate()
+        for proc in self.workers.values():
+            if proc.exitcode is None:
+                proc.terminate()
         deadline = time.monotonic() + timeout
-        for w in self.workers:
-            w.process.join(max(0.0, deadline - time.monotonic()))
-            if w.process.exitcode is None:
-                logger.warning("%s did not exit after SIGTERM; killing it", w.name)
-                w.process.kill()
-                w.process.join(2.0)
+        for name, proc in self.workers.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                logger.warning("%s did not exit after SIGTERM; killing it", name)
+                proc.kill()
+                proc.join(2.0)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _identity(pid: int) -> str | None:
+    """``"PID START"`` of a running process, or None when there is none (or only a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        if sys.platform.startswith("linux"):
+            return None
+        try:  # no /proc: the pid alone
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return f"{pid} ?"
+    return None if fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
 
 
 def make_socket_dir() -> str:
     """A new private directory for this server's IPC sockets; first removes those of servers that are gone.
 
-    A server killed with SIGKILL cannot remove its directory, so each one holds a ``pid`` file: the
-    pid and start time of the server that made it. A directory whose server no longer runs (no such
-    process, a zombie, or the pid now belongs to a process started at another time) is removed.
-    Directories of running servers, of other users, or without a ``pid`` file are left alone.
+    Each holds a ``pid`` file (pid and start time of its server), since a server killed with SIGKILL cannot remove
+    its own. One whose server no longer runs (no such process, a zombie, or the pid reused by a process started at
+    another time) is removed; those of running servers, of other users or without a ``pid`` file are left alone.
     """
-
-    def identity(pid: int) -> str | None:
-        """``"PID START"`` of a running process, or None when there is none (or only a zombie)."""
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            if sys.platform.startswith("linux"):
-                return None
-            try:  # no /proc: the pid alone
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return None
-            except PermissionError:
-                pass
-            return f"{pid} ?"
-        return None if fields[0] in ("Z", "X") else f"{pid} {fields[19]}"
-
     for old in Path(tempfile.gettempdir()).glob("minisgl-*"):
         try:
             if old.stat().st_uid != os.getuid() or not old.is_dir():
                 continue
-            recorded = (old / "pid").read_text().strip()
+            pid, _, start = (old / "pid").read_text().strip().partition(" ")
         except OSError:
             continue
-        pid, _, start = recorded.partition(" ")
         if not pid.isdigit():
             continue
-        current = identity(int(pid))
+        current = _identity(int(pid))
         if current is None or (start not in ("", "?") and current != f"{pid} {start}"):
             logger.info("removing %s, left behind by server process %s (no longer running)", old, pid)
             shutil.rmtree(old, ignore_errors=True)
     path = tempfile.mkdtemp(prefix="minisgl-")
-    Path(path, "pid").write_text((identity(os.getpid()) or f"{os.getpid()} ?") + "\n")
+    Path(path, "pid").write_text((_identity(os.getpid()) or f"{os.getpid()} ?") + "\n")
     return path
 
 
 def check_port(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on, or None."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -250,21 +219,17 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 
 class _DrainingServer(Server):
-    """uvicorn's server, with the first SIGINT/SIGTERM starting the app's drain (see ``create_app``).
-
-    uvicorn then stops listening and waits for open requests; the app lets them run for
-    ``--shutdown-timeout`` seconds and ends the rest with a proper error.
-    """
+    """uvicorn's server, with the first SIGINT/SIGTERM starting the app's drain: uvicorn stops listening and waits
+    for open requests, which the app lets run for ``--shutdown-timeout`` seconds before it ends the rest."""
 
     def __init__(self, config: Config, app: Any):
         super().__init__(config)
         self.app = app
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            begin = getattr(self.app.state, "begin_drain", None)
-            if begin is not None:
-                begin()  # thread-safe: this runs in a signal handler
+        begin = getattr(self.app.state, "begin_drain", None)
+        if not self.should_exit and begin is not None:
+            begin()  # thread-safe: this runs in a signal handler
         super().handle_exit(sig, frame)
 
 
@@ -281,21 +246,19 @@ def serve(settings: ServeSettings, plugins: list[str]) -> int:
         logger.info("loading %s", settings.model)
         info = launcher.start()
         logger.info("model ready: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
-        import uvicorn
-
         from .app import create_app
 
         app = create_app(settings, launcher.addresses, info, launcher)
-        config = uvicorn.Config(
+        # The timeout is a backstop only: the app itself ends what is left when the grace period is over.
+        graceful = max(1, int(settings.shutdown_timeout) + 5)
+        config = Config(
             app,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
-            # A backstop only: the app itself ends what is left when the grace period is over.
-            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout) + 5),
+            timeout_graceful_shutdown=graceful,
         )
-        server = _DrainingServer(config, app)
-        app.state.server = server
+        app.state.server = server = _DrainingServer(config, app)
         server.run()
         return int(app.state.exit_code)
     except StartupError as exc:

@@ -1,15 +1,16 @@
-"""``minisgl serve`` settings: one pydantic-settings model, flags generated from it.
-
-Every field is a command-line flag (``--max-running-requests``) and an
-environment variable (``MINISGL_MAX_RUNNING_REQUESTS``); a flag wins over the
-environment. Nothing here imports torch, so ``minisgl serve --help`` is fast.
+"""``minisgl serve`` settings: every field is a flag (``--max-running-requests``) and an environment variable
+(``MINISGL_MAX_RUNNING_REQUESTS``); a flag wins. Nothing here imports torch, so ``--help`` and preflight are fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import re
 import types
 import typing
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
@@ -55,7 +56,7 @@ class ServeSettings(EngineFields, BaseSettings):
     shutdown_timeout: float = Field(
         5.0, ge=0, description="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended"
     )
-    # request limits (see minisgl.server.limits)
+    # request limits (checked by minisgl.server.app)
     max_request_bytes: int = Field(
         2 * 2**20, ge=1024, description="largest request body in bytes; a larger one is refused (413) unread"
     )
@@ -63,7 +64,7 @@ class ServeSettings(EngineFields, BaseSettings):
     max_n: int = Field(16, ge=1, le=128, description="most choices (n) per prompt")
 
     def engine_fields(self) -> dict[str, Any]:
-        """The :class:`~minisgl.config.EngineConfig` keyword arguments these settings describe."""
+        """The :class:`~minisgl.config.EngineConfig` keyword arguments."""
         return {name: getattr(self, name) for name in EngineFields.model_fields}
 
     @property
@@ -71,8 +72,6 @@ class ServeSettings(EngineFields, BaseSettings):
         """The name clients use in the ``model`` field."""
         if self.served_model_name:
             return self.served_model_name
-        from pathlib import Path, PurePath
-
         from ..utils.model_path import DIST_PREFIX, ModelPathError, parse_hub_id, resolve_model_path
 
         path = PurePath(self.model.rstrip("/"))
@@ -91,8 +90,8 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
+def _where(field: str) -> str:
+    return f"{flag_name(field)} (env {ENV_PREFIX}{field.upper()})"
 
 
 def _plain_type(annotation: Any) -> tuple[Any, list[Any] | None]:
@@ -115,18 +114,11 @@ def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argpa
         epilog=f"Every flag can also be set with an environment variable: {ENV_PREFIX}<FLAG NAME> "
         f"(e.g. {ENV_PREFIX}MAX_RUNNING_REQUESTS=32). A flag wins over the environment.",
     )
-    groups = {
-        "model": parser.add_argument_group("model and engine"),
-        "server": parser.add_argument_group("server"),
-    }
+    engine_group, server_group = parser.add_argument_group("model and engine"), parser.add_argument_group("server")
     for name, info in ServeSettings.model_fields.items():
-        group = groups["model" if name in EngineFields.model_fields else "server"]
-        if info.is_required():
-            help_text = f"{info.description} (required; env {env_name(name)})"
-        elif info.default is None:
-            help_text = f"{info.description} (env {env_name(name)})"
-        else:
-            help_text = f"{info.description} (default: {info.default}; env {env_name(name)})"
+        group = engine_group if name in EngineFields.model_fields else server_group
+        default = "required; " if info.is_required() else "" if info.default is None else f"default: {info.default}; "
+        help_text = f"{info.description} ({default}env {ENV_PREFIX}{name.upper()})"
         flags = [flag_name(name), *FLAG_ALIASES.get(name, [])]
         kind, choices = _plain_type(info.annotation)
         if kind is bool:
@@ -142,26 +134,20 @@ class SettingsError(ValueError):
 
 
 def settings_from_args(values: dict[str, Any]) -> ServeSettings:
-    """Flag values (unset flags absent) plus ``MINISGL_*`` environment variables -> :class:`ServeSettings`.
-
-    Raises :class:`SettingsError` naming each bad flag and its environment variable.
-    """
+    """Flag values (unset flags absent) plus ``MINISGL_*`` environment variables; SettingsError names each bad one."""
     try:
         return ServeSettings(**values)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             field = str(err["loc"][0]) if err["loc"] else ""
-            where = f"{flag_name(field)} (env {env_name(field)})" if field in ServeSettings.model_fields else field
-            if err["type"] == "missing":
-                problems.append(f"{where} is required")
-            else:
-                problems.append(f"{where}: {err['msg']}, got {err.get('input')!r}")
+            where = _where(field) if field in ServeSettings.model_fields else field
+            missing = err["type"] == "missing"
+            problems.append(f"{where} is required" if missing else f"{where}: {err['msg']}, got {err.get('input')!r}")
         raise SettingsError("; ".join(problems)) from None
 
 
 def parse_settings(argv: list[str], *, prog: str = "minisgl serve", description: str = "") -> ServeSettings:
-    """Parse ``minisgl serve`` arguments (see :func:`settings_from_args`)."""
     return settings_from_args(vars(build_parser(prog, description=description).parse_args(argv)))
 
 
@@ -169,22 +155,17 @@ class PreflightError(ValueError):
     """Settings that were well formed but cannot work (unknown backend, missing model, ...)."""
 
 
-def _flag_for(field: str) -> str:
-    return f"{flag_name(field)} (env {env_name(field)})"
-
-
 def preflight(settings: ServeSettings) -> list[str]:
     """Check the settings without loading anything heavy; return the active plugin names for the workers."""
     from ..config import EngineConfig
     from ..core import ValidationError
     from ..plugins import PluginError, UnknownComponentError, load_plugins
-    from .engine_build import likely_device
 
     device = settings.device
     try:
         EngineConfig(**{**settings.engine_fields(), "device": "cpu" if device == "auto" else device})
     except ValidationError as exc:
-        raise PreflightError(f"{_flag_for(exc.field)}: {exc.message}") from None
+        raise PreflightError(f"{_where(exc.field)}: {exc.message}") from None
     from ..utils.model_path import ModelPathError, parse_hub_id, resolve_model_path
 
     # A Hub id is downloaded here, once, before the workers start (they then find it cached).
@@ -213,3 +194,31 @@ def preflight(settings: ServeSettings) -> list[str]:
         except UnknownComponentError as exc:
             raise PreflightError(f"{flags[kind]}: {exc}") from None
     return registry.active_plugin_names()
+
+
+def likely_device() -> str | None:
+    """The device ``--device auto`` will get ("cuda" or "cpu"), told without importing torch; None if unsure.
+
+    torch picks CUDA when it is a CUDA build (written in ``torch/version.py``) and a GPU is visible (asked of the
+    driver through NVML, see :mod:`minisgl.plugins.devices`).
+    """
+    from ..plugins import devices
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        version = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^cuda\b.*=\s*(.+)$", version, re.MULTILINE)
+    if match is None:
+        return None
+    if match.group(1).strip() == "None":
+        return "cpu"
+    caps = devices.nvml_capabilities()
+    if caps is None:
+        return None  # no driver library to ask: leave the device to the worker
+    return "cuda" if devices.only_visible(caps, os.environ.get("CUDA_VISIBLE_DEVICES")) else "cpu"

@@ -1,0 +1,411 @@
+"""The worker processes (scheduler rank 0, tokenizers, detokenizer) and what they share.
+
+Workers are spawned (never forked) with one msgpack-encoded dict of plain values. Each reports "ready" or "error"
+(with the message a user should see) to the launcher's status socket, sends heartbeats, ignores SIGINT (Ctrl-C
+reaches the whole process group; the launcher decides) and exits on its own when the launcher disappears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import zmq
+
+from ..message import (
+    AbortReq,
+    GenerateReq,
+    Heartbeat,
+    StepOutput,
+    StopReq,
+    TokenizedReq,
+    TokenizerLimits,
+    WorkerStatus,
+    encode,
+    recv_all,
+)
+
+HEARTBEAT_S = 0.5  # seconds between two heartbeats of a worker
+
+Probe = Callable[[], tuple[float, dict[str, Any]]]
+
+
+def pack_args(args: dict[str, Any]) -> bytes:
+    return msgpack.packb(args, use_bin_type=True)
+
+
+def unpack_args(data: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(data, raw=False)
+
+
+def user_error(exc: BaseException) -> str:
+    """The one-line message to show for a start-up failure."""
+    from ..core import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return f"invalid {exc.field}: {exc.message}"
+    text = str(exc) or type(exc).__name__
+    # Errors meant for users carry their own wording; anything else gets its type for context.
+    if type(exc).__name__ in ("ModelLoadError", "UnknownComponentError", "PluginError"):
+        return text
+    lowered = text.lower()
+    if isinstance(exc, MemoryError) or any(s in lowered for s in ("out of memory", "not enough memory", "allocate")):
+        return f"out of memory: {text}"
+    return f"{type(exc).__name__}: {text}"
+
+
+class ParentWatch:
+    """Notices that the launcher died (the worker was re-parented)."""
+
+    def __init__(self, interval: float = 0.5):
+        self.parent = os.getppid()
+        self.interval = interval
+        self._next = time.monotonic() + interval
+
+    def due(self) -> bool:
+        """True once per ``interval``: time for the (cheap but not free) liveness checks."""
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        return True
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self.parent
+
+
+class StatusReporter:
+    """Sends :class:`WorkerStatus` messages and heartbeats to the launcher."""
+
+    def __init__(self, ctx: zmq.Context, address: str, worker: str):
+        self.worker = worker
+        self.ctx = ctx
+        self.address = address
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(address)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def start_heartbeat(self, probe: Probe | None = None, interval: float = HEARTBEAT_S) -> None:
+        """Send a :class:`Heartbeat` every ``interval`` seconds from a thread of its own, which runs while the main
+        thread is inside a long computation (kernels release the GIL) and stops with the process, so a stopped or
+        dead worker falls silent. ``probe`` returns ``(busy_for, state)``: how long the current step has run, gauges.
+        """
+
+        def run() -> None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            try:
+                while not self._stop.is_set():
+                    self._wake.wait(interval)
+                    self._wake.clear()
+                    if self._stop.is_set():
+                        break
+                    busy, state = probe() if probe is not None else (0.0, {})
+                    with contextlib.suppress(zmq.Again):  # the launcher is not reading: skip this beat
+                        sock.send(encode(Heartbeat(self.worker, busy, state)), zmq.NOBLOCK)
+            except zmq.ZMQError:  # the context is going away with the process
+                pass
+            finally:
+                sock.close(0)
+
+        self._beat = threading.Thread(target=run, name=f"{self.worker}-heartbeat", daemon=True)
+        self._beat.start()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (the state just changed in a way watchers care about)."""
+        self._wake.set()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._beat is not None:
+            self._beat.join(2.0)
+
+    def ready(self, **info: Any) -> None:
+        self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info)))
+
+    def error(self, exc: BaseException) -> None:
+        detail = "".join(traceback.format_exception(exc))
+        self.sock.send(encode(WorkerStatus(self.worker, "error", error=user_error(exc), detail=detail)))
+
+
+@contextlib.contextmanager
+def worker_process(worker: str, status_address: str) -> Iterator[tuple[zmq.Context, StatusReporter]]:
+    """Run a worker's body: report an exception to the launcher and exit non-zero."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    reporter = StatusReporter(ctx, status_address, worker)
+    code = 0
+    try:
+        yield ctx, reporter
+    except BaseException as exc:  # every failure must reach the launcher, whatever its type
+        code = 1
+        try:
+            reporter.error(exc)
+        finally:
+            traceback.print_exc(file=sys.stderr)
+    finally:
+        reporter.stop_heartbeat()
+        ctx.destroy(linger=2000)
+    if code:
+        sys.exit(code)
+
+
+def _sockets(ctx: zmq.Context, addresses: dict[str, str], inbox: str, *outboxes: str) -> list[zmq.Socket]:
+    """A PULL socket bound at ``inbox``, then a PUSH socket connected to each of ``outboxes``."""
+    socks = [ctx.socket(zmq.PULL)]
+    socks[0].bind(addresses[inbox])
+    for name in outboxes:
+        socks.append(ctx.socket(zmq.PUSH))
+        socks[-1].connect(addresses[name])
+    return socks
+
+
+def _serve_inbox(inbox: zmq.Socket, handle: Callable[[Any], None]) -> None:
+    """Hand every message arriving on ``inbox`` to ``handle`` until the launcher is gone."""
+    watch = ParentWatch()
+    while not (watch.due() and watch.parent_gone()):
+        if inbox.poll(200):
+            for msg in recv_all(inbox):
+                handle(msg)
+
+
+def _model_tokenizer(model: str) -> Any:
+    from ..models import ModelSource, load_tokenizer
+
+    return load_tokenizer(ModelSource.from_path(model))
+
+
+# ------------------------------------------------------------------ tokenizer and detokenizer processes
+def tokenizer_main(launch: bytes) -> None:
+    """Entry point of a tokenizer process: requests in, token ids to the scheduler."""
+    from ..tokenizer.worker import TokenizerService
+
+    args = unpack_args(launch)
+    with worker_process(args["name"], args["addresses"]["status"]) as (ctx, status):
+        service = TokenizerService(_model_tokenizer(args["model"]))
+        inbox, to_sched, to_api = _sockets(ctx, args["addresses"], args["name"], "scheduler", "api")
+        status.ready(has_tokenizer=service.tokenizer is not None)
+        status.start_heartbeat()
+
+        def handle(msg: Any) -> None:
+            if isinstance(msg, GenerateReq):
+                result = service.tokenize(msg)
+                (to_sched if isinstance(result, TokenizedReq) else to_api).send(encode(result))
+            elif isinstance(msg, AbortReq):
+                to_sched.send(encode(msg))  # behind its request on the same socket
+            elif isinstance(msg, TokenizerLimits):
+                service.limits = msg
+
+        _serve_inbox(inbox, handle)
+
+
+def detokenizer_main(launch: bytes) -> None:
+    """Entry point of the detokenizer process: token ids in, text to the API server, stop strings found."""
+    from ..tokenizer.detokenizer import DetokenizerService
+
+    args = unpack_args(launch)
+    with worker_process("detokenizer", args["addresses"]["status"]) as (ctx, status):
+        service = DetokenizerService(_model_tokenizer(args["model"]))
+        inbox, to_api, to_sched = _sockets(ctx, args["addresses"], "detokenizer", "api", "scheduler")
+        status.ready()
+        status.start_heartbeat()
+
+        def handle(msg: Any) -> None:
+            if not isinstance(msg, StepOutput):
+                return
+            batch, stopped = service.process(msg)
+            if batch.rids or batch.failed:
+                to_api.send(encode(batch))
+            for rid in stopped:
+                to_sched.send(encode(StopReq(rid)))
+
+        _serve_inbox(inbox, handle)
+
+
+# ------------------------------------------------------------------ the scheduler process
+class _Progress:
+    """What the heartbeat thread reports: time inside the current step, and gauges refreshed between steps."""
+
+    def __init__(self, sched: Any, beat_now: Callable[[], None]):
+        self.sched = sched
+        self.beat_now = beat_now
+        self.step_started: float | None = None
+        self.state: dict[str, Any] = {}
+        self._next = 0.0
+        self._idle = True
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Refresh the gauges every 0.2 s while busy, and at once (with a heartbeat) on becoming idle."""
+        now = time.monotonic()
+        idle = not self.sched.has_work
+        became_idle = idle and not self._idle
+        self._idle = idle
+        if not became_idle and now < self._next:
+            return
+        self._next = now + 0.2
+        kv = self.sched.kv
+        cached = int(kv.cache_pages)
+        self.state = {
+            "running": self.sched.num_running,
+            "waiting": self.sched.num_waiting,
+            "kv_pages_used": int(kv.used_pages) - cached,
+            "kv_pages_cached": cached,
+            "kv_pages_total": int(kv.usable_pages),
+        }
+        if became_idle:
+            self.beat_now()
+
+    def probe(self) -> tuple[float, dict[str, Any]]:
+        started = self.step_started
+        return (time.monotonic() - started if started is not None else 0.0), self.state
+
+
+def scheduler_main(launch: bytes) -> None:
+    """Entry point of the scheduler process: builds the engine as :class:`minisgl.LLM` does (with ``tp`` > 1 it
+    starts the other ranks as its children, which replay its every step), then serves requests until stopped."""
+    args = unpack_args(launch)
+    rank = int(args.get("rank", 0))
+    with worker_process(f"scheduler-{rank}", args["addresses"]["status"]) as (ctx, status):
+        if rank != 0:
+            raise ValueError("the launcher starts rank 0 only; rank 0 starts the other tensor-parallel ranks")
+        # SIGTERM (from the launcher) ends the loop between steps, so tensor-parallel ranks are stopped cleanly.
+        stopping: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+        sched, ranks = _build_scheduler(args["engine"])
+        engine, config = sched.engine, sched.engine.config
+        inbox, outbox = _sockets(ctx, args["addresses"], "scheduler", "detokenizer")
+        status.ready(
+            architecture=engine.architecture,
+            max_model_len=int(engine.max_model_len),
+            vocab_size=int(sched.vocab_size),
+            kv_pages=int(sched.kv.usable_pages),
+            page_size=int(config.page_size),
+            device=str(engine.device),
+            tp=int(config.tp),
+            max_running_requests=int(config.max_running_requests),
+            chunked_prefill_size=int(config.chunked_prefill_size),
+            attention_backend=",".join(spec.name for spec in engine.attn_specs),
+            prefix_cache=type(sched.kv.cache).__name__,
+            cuda_graphs=engine.graphs is not None,
+            overlap_schedule=bool(sched.overlap),
+        )
+        progress = _Progress(sched, status.beat_now)
+        status.start_heartbeat(progress.probe)
+        try:
+            _serve(sched, ranks, inbox, outbox, stopping, progress)
+        finally:
+            if ranks is not None:
+                ranks.shutdown(sched, timeout=10.0)
+
+
+def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
+    """Rank 0's scheduler, as :class:`minisgl.LLM` builds it (less stop strings), and the other ranks (tp > 1)."""
+    from ..config import EngineConfig
+    from ..engine import Engine
+    from ..models import eos_token_ids, load_tokenizer
+    from ..scheduler import Scheduler
+
+    config = EngineConfig(**fields)
+    if config.tp > 1:
+        from ..plugins import load_plugins
+        from ..scheduler.tp import start_tensor_parallel
+
+        sched, ranks, _ = start_tensor_parallel(config, load_plugins(config.plugins, paths=config.plugin_paths))
+        sched.detokenize = None  # stop strings are the detokenizer process's to find
+        return sched, ranks
+    engine = Engine(config)
+    tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
+    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
+    return Scheduler(engine, eos_token_ids=eos, tokenizer=tokenizer), None  # the tokenizer compiles grammars
+
+
+def _serve(
+    sched: Any, ranks: Any, inbox: zmq.Socket, outbox: zmq.Socket, stopping: list[int], progress: _Progress
+) -> None:
+    """The request loop: take every queued message, run one step when there is work, send what happened to the
+    detokenizer as one columnar StepOutput. With no work it blocks on its socket, so an idle server uses no CPU."""
+    watch = ParentWatch()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while not stopping:
+        if watch.due():
+            if watch.parent_gone():
+                return
+            if ranks is not None:
+                ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
+        out = StepOutput()
+        if poller.poll(0 if sched.has_work else 200):
+            _take(sched, recv_all(inbox), out)
+        if sched.has_work:
+            progress.step_started = time.monotonic()
+            try:
+                events = sched.step()
+            except RuntimeError:
+                if ranks is not None:
+                    ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
+                raise
+            finally:
+                progress.step_started = None
+            if events:
+                _add_events(out, events)
+        progress.refresh()
+        if out.rids or out.accepted or out.failed or out.dropped:
+            outbox.send(encode(out))
+
+
+def _take(sched: Any, messages: list[Any], out: StepOutput) -> None:
+    """Queue new requests, abort and stop others; record the outcome in ``out``."""
+    from ..core import SamplingParams, ValidationError
+
+    for msg in messages:
+        if isinstance(msg, TokenizedReq):
+            try:
+                req = sched.add_request(msg.input_ids, SamplingParams.from_dict(msg.params), rid=msg.rid)
+            except ValidationError as exc:
+                out.failed.append([msg.rid, exc.field, exc.message])
+            else:
+                p = req.params
+                out.accepted.append(
+                    [req.rid, req.prompt_len, list(p.stop_strings), p.skip_special_tokens, p.logprobs is not None]
+                )
+        elif isinstance(msg, AbortReq):
+            if sched.abort(msg.rid) is not None:
+                out.dropped.append(msg.rid)
+        elif isinstance(msg, StopReq):
+            sched.abort(msg.rid, "stop")  # the detokenizer already finished it
+
+
+def _add_events(out: StepOutput, events: list[Any]) -> None:
+    """The step's token events, as columns."""
+    rids, tokens, finished = out.rids, out.tokens, out.finished
+    logprobs: list[Any] | None = None
+    for i, ev in enumerate(events):
+        req = ev.req
+        token = int(ev.token)
+        rids.append(req.rid)
+        tokens.append(token)
+        if ev.finished:
+            reason = req.finish_reason
+            stop_token = reason == "stop" and (token in req.eos_token_ids or token in req.params.stop_ids)
+            finished.append([i, reason, stop_token, int(req.prefix_len)])
+        if ev.logprob is not None:
+            if logprobs is None:
+                logprobs = [None] * i
+            logprobs.append([float(ev.logprob.logprob), [[int(t), float(lp)] for t, lp in ev.logprob.top]])
+        elif logprobs is not None:
+            logprobs.append(None)
+    out.logprobs = logprobs
