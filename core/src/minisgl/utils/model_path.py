@@ -1,14 +1,11 @@
 """Where a ``--model`` argument points, resolved without importing torch.
 
-``--model`` is a local path (a model directory or a ``.gguf`` file), ``dist:NAME`` (a model shipped
-in an installed Python distribution), or a Hugging Face Hub id (``owner/name``, optionally
-``owner/name@revision``) that is not an existing path. A Hub model is downloaded once, with a
-progress bar, into the standard Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
-``~/.cache/huggingface/hub``), and only the files an engine reads: config, tokenizer and generation
-config files, and the safetensors weights (not ``.bin``, ``.pth``, ``.onnx``, ... nor anything in a
-subfolder). A cached snapshot is used without any network call; ``HF_HUB_OFFLINE=1`` forbids the
-download. The server resolves ``--model`` in its own process before any worker starts, so the
-workers find the snapshot in the cache and never download.
+A local path (a model directory or a ``.gguf`` file), ``dist:NAME`` (a model in an installed Python
+distribution), or a Hugging Face Hub id (``owner/name[@revision]``, not an existing path). A Hub model
+is downloaded once, with a progress bar, into the standard Hugging Face cache, and only what an engine
+reads: top-level config, tokenizer and generation files and the safetensors weights. A cached snapshot is
+used without any network call; ``HF_HUB_OFFLINE=1`` forbids the download. The server resolves ``--model``
+before any worker starts, so workers find the snapshot cached.
 """
 
 from __future__ import annotations
@@ -19,14 +16,15 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 DIST_PREFIX = "dist:"
 # owner/name, each part letters, digits, '-', '_', '.' (as the Hub allows), then an optional @revision
 # (a branch, a tag or a commit; a branch may contain '/').
 _HUB_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,95})/([A-Za-z0-9][A-Za-z0-9_.-]{0,95})(?:@([A-Za-z0-9_./-]+))?$")
-# Files of a Hub model the engine reads (top level only; weights are added by _weights_patterns).
+_INDEX = "model.safetensors.index.json"
+# Files of a Hub model the engine reads (top level only; the weights are fetched after them).
 HUB_FILES = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
-_TRUE = {"1", "on", "yes", "true"}
 
 
 class ModelPathError(ValueError):
@@ -73,37 +71,25 @@ def hub_cache_dir() -> Path:
     return Path(xdg).expanduser() / "huggingface" / "hub"
 
 
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+def _index_shards(snapshot: Path) -> list[str] | None:
+    """The weight shards ``model.safetensors.index.json`` names; None without a readable index."""
+    try:
+        return sorted(set(json.loads((snapshot / _INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
 
 
 def _missing(snapshot: Path) -> str | None:
     """What a snapshot directory lacks for the engine, or None when it is complete."""
     if not (snapshot / "config.json").exists():
         return "config.json"
-    index = snapshot / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError):
-            return "a readable model.safetensors.index.json"
+    if (snapshot / _INDEX).exists():
+        shards = _index_shards(snapshot)
+        if shards is None:
+            return f"a readable {_INDEX}"
         absent = [s for s in shards if not (snapshot / s).exists()]
         return f"weight shards {', '.join(absent)}" if absent else None
-    if not any(snapshot.glob("*.safetensors")):
-        return "*.safetensors weights"
-    return None
-
-
-def _weights_patterns(snapshot: Path) -> list[str]:
-    """The weight files to fetch: the shards the index names (a repository may hold other copies), or
-    every top-level ``.safetensors`` file."""
-    index = snapshot / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError):
-            pass
-    return ["*.safetensors"]
+    return None if any(snapshot.glob("*.safetensors")) else "*.safetensors weights"
 
 
 def _hub_help(hub_id: str) -> str:
@@ -111,11 +97,6 @@ def _hub_help(hub_id: str) -> str:
         f"download it where there is network (hf download {hub_id}) and copy the cache here or point HF_HOME "
         "at it, or pass a local model directory or .gguf file as --model"
     )
-
-
-def _first_line(exc: Exception) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else "no details"
 
 
 def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
@@ -127,16 +108,8 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
 
     def download(patterns: list[str], local_only: bool = False) -> Path:
         # Nothing in a subfolder: other formats and copies of the weights live there.
-        return Path(
-            snapshot_download(
-                repo_id,
-                revision=revision,
-                cache_dir=str(cache),
-                allow_patterns=patterns,
-                ignore_patterns=["*/*"],
-                local_files_only=local_only,
-            )
-        )
+        opts: dict[str, Any] = {"revision": revision, "cache_dir": str(cache), "ignore_patterns": ["*/*"]}
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=local_only, **opts))
 
     lacking: str | None = "everything"
     try:  # the cache first: no network call at all
@@ -149,7 +122,7 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
     where = f"'{model}' is not a local path, and the Hugging Face Hub model {repo_id}" + (
         f" at revision {revision}" if revision else ""
     )
-    if hub_offline():
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true"):
         state = "is not in the cache" if lacking == "everything" else f"is in the cache without {lacking}"
         raise ModelPathError(
             f"{where} {state} ({cache}); HF_HUB_OFFLINE is set, so it cannot be downloaded: {_hub_help(model)}"
@@ -162,7 +135,9 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
                 f"the Hugging Face Hub model {repo_id} has no config.json (a GGUF-only repository? download "
                 "the one .gguf file you want and pass its path as --model)"
             )
-        path = download(_weights_patterns(path))
+        # The shards the index names (a repository may hold other copies), else every .safetensors file.
+        shards = _index_shards(path)
+        path = download(shards if shards is not None else ["*.safetensors"])
     except GatedRepoError:
         raise ModelPathError(
             f"the Hugging Face Hub model {repo_id} is gated: accept its terms on huggingface.co and set HF_TOKEN "
@@ -178,9 +153,9 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
     except ModelPathError:
         raise
     except Exception as exc:  # no network, a proxy, a full disk, ...
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), "no details")
         raise ModelPathError(
-            f"{where} is not cached and cannot be downloaded ({type(exc).__name__}: {_first_line(exc)}); "
-            f"{_hub_help(model)}"
+            f"{where} is not cached and cannot be downloaded ({type(exc).__name__}: {first_line}); {_hub_help(model)}"
         ) from None
     lacking = _missing(path)
     if lacking is not None:
