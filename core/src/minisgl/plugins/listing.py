@@ -1,8 +1,6 @@
-"""``minisgl plugins [--json] [--device DEVICE]``: what is installed, what is active, what each provides.
-
-Plugins are loaded as an engine would, nothing is built (no torch import); ``--device`` runs the support
-checks. Exit status 1: an engine would refuse to start (a clash, or a skipped plugin under strict mode).
-"""
+"""``minisgl plugins [--json] [--device DEVICE]``: what is installed, active and provided, loaded as an engine
+would, nothing built (no torch import); ``--device`` runs the support checks. Exit status 1: an engine would
+refuse to start (a clash, or a skipped plugin under strict mode)."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def render_table(registry: PluginRegistry, device: str | None = None) -> str:
                 if device and (why := spec.unsupported_reason(device)) is not None:
                     unsupported.append(f"{kind} {spec.name}: unsupported on {device}" + (f": {why}" if why else ""))
             detail.append(f"{kind}: {', '.join(shown)}")
-        detail += unsupported
-        detail += [f"{kind}: {', '.join(names)} (overridden)" for kind, names in p.overridden.items()]
+        detail += unsupported + [f"{kind}: {', '.join(names)} (overridden)" for kind, names in p.overridden.items()]
         detail += [p.error] if p.error else []
         rows.append((p.distribution or "-", p.version or "-", p.name, p.status, detail or ["-"]))
     header = ("DISTRIBUTION", "VERSION", "ENTRY", "STATUS")
@@ -65,20 +62,15 @@ def render_table(registry: PluginRegistry, device: str | None = None) -> str:
         out.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + detail[0])
         out += ["  ".join(" " * w for w in widths) + "  " + d for d in detail[1:]]
     if device:
-        out += [
-            "",
-            f"auto on {device}: "
-            + ", ".join(f"{kind} {name}" for kind, name in auto_choices(registry, device).items()),
-        ]
+        picks = ", ".join(f"{kind} {name}" for kind, name in auto_choices(registry, device).items())
+        out += ["", f"auto on {device}: {picks}"]
     return "\n".join(out)
 
 
 def auto_choices(registry: PluginRegistry, device: str) -> dict[str, str]:
-    """What ``auto`` picks on ``device`` for each kind (before a model's own checks; ``-``: nothing runs there)."""
+    """What ``auto`` picks on ``device`` for each kind but models (before a model's own checks; ``-``: none)."""
     picks: dict[str, str] = {}
-    for kind in KINDS:
-        if kind == "model":
-            continue  # chosen by the checkpoint's architecture, not by auto
+    for kind in [k for k in KINDS if k != "model"]:  # a checkpoint names its architecture
         try:
             picks[kind] = registry.ranked(kind, device)[0].name
         except UnknownComponentError:
@@ -111,8 +103,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
             print(f"minisgl plugins: error: {exc}", file=err)
             return 2
     messages = [str(w.message) for w in caught]
-    strict = _flag(os.environ.get(ENV_STRICT))
-    skipped = [p for p in registry.plugins if strict and p.status in ("failed", "incompatible")]
+    skipped = [p for p in registry.plugins if p.status in ("failed", "incompatible")]
+    skipped = skipped if _flag(os.environ.get(ENV_STRICT)) else []
     if args.json:
         print(json.dumps(to_json(registry, messages, args.device), indent=2), file=out)
     else:

@@ -1,6 +1,5 @@
 """:func:`load_plugins`: pluggy loads the allowed, compatible ``minisgl`` entry points and calls their hooks;
-the specs go into a :class:`PluginRegistry`, plain data that engines read (no pluggy on the per-step path).
-"""
+the specs go into a :class:`PluginRegistry`, plain data that engines read (no pluggy on the per-step path)."""
 
 from __future__ import annotations
 
@@ -20,12 +19,20 @@ import pluggy
 
 from ..utils import VERSION
 from . import hookspecs
-from .specs import KIND_LABELS, KINDS, ComponentSpec, Kind, PluginError, PluginWarning, UnknownComponentError
+from .specs import (
+    KIND_LABELS,
+    KINDS,
+    SPEC_TYPES,
+    ComponentSpec,
+    Kind,
+    PluginError,
+    PluginWarning,
+    UnknownComponentError,
+)
 
 ENTRY_POINT_GROUP = "minisgl"
 BUILTIN = "builtin"
 ENV_ALLOW, ENV_BLOCK, ENV_STRICT = "MINISGL_PLUGINS", "MINISGL_DISABLE_PLUGINS", "MINISGL_STRICT_PLUGINS"
-SPEC_TYPES = {t.kind: t for t in ComponentSpec.__subclasses__()}
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,8 @@ class PluginSource:
 
 @dataclass
 class PluginInfo:
-    """One plugin and what became of it: ``provides`` (per kind, the names it contributes), ``overridden``
-    (the names another plugin's ``override=True`` spec replaced), ``error`` (why it is not active)."""
+    """One plugin and what became of it: per kind, the names it ``provides`` and those another plugin's
+    ``override=True`` spec replaced (``overridden``); ``error``: why it is not active."""
 
     name: str
     distribution: str
@@ -76,8 +83,8 @@ class PluginRegistry:
         self._table: dict[Kind, dict[str, Entry]] = {k: {} for k in KINDS}
 
     def add(self, spec: ComponentSpec, plugin: PluginInfo, rank: tuple[int, int] = (0, 0)) -> None:
-        """Register ``spec``; a clash with another spec's name or alias is a conflict, unless exactly one
-        of the two sets ``override=True``: that one wins, with a warning."""
+        """Register ``spec``; a clash of names or aliases is a conflict, unless exactly one of the two
+        specs sets ``override=True``: that one wins, with a warning."""
         table, names, new = self._table[spec.kind], {spec.name, *spec.aliases}, Entry(spec, plugin, rank)
         for old in [e for e in table.values() if names & {e.spec.name, *e.spec.aliases}]:
             what = f"{KIND_LABELS[spec.kind]} '{min(names & {old.spec.name, *old.spec.aliases})}'"
@@ -100,10 +107,12 @@ class PluginRegistry:
             del table[old.spec.name]
         table[spec.name] = new
 
+    def _find(self, kind: Kind, name: str) -> Entry | None:
+        return next((e for e in self._table[kind].values() if name in (e.spec.name, *e.spec.aliases)), None)
+
     def _entry(self, kind: Kind, name: str) -> Entry:
-        for entry in self._table[kind].values():
-            if name == entry.spec.name or name in entry.spec.aliases:
-                return entry
+        if entry := self._find(kind, name):
+            return entry
         msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed(kind)}."
         known = [n for e in self._table[kind].values() for n in (e.spec.name, *e.spec.aliases)]
         # Architectures share their suffix ("...ForCausalLM"): compare what precedes it, or every name looks close.
@@ -129,7 +138,7 @@ class PluginRegistry:
         return sorted(self._table[kind])
 
     def has(self, kind: Kind, name: str) -> bool:
-        return any(name == e.spec.name or name in e.spec.aliases for e in self._table[kind].values())
+        return self._find(kind, name) is not None
 
     def specs(self, kind: Kind) -> list[ComponentSpec]:
         """Every ``kind`` spec, sorted by name."""
@@ -184,11 +193,8 @@ def discover() -> list[PluginSource]:
 
 
 def local_sources(paths: str | None) -> list[PluginSource]:
-    """Plugins that are not installed: comma-separated ``.py`` files, folders of them, or module names.
-
-    Each is one plugin named after its file or module (``my_plugin.py`` -> ``my_plugin``); a folder gives
-    every ``.py`` file in it that does not start with ``_``.
-    """
+    """Plugins that are not installed: comma-separated ``.py`` files (each a plugin named after its stem),
+    folders of them (every file not starting with ``_``), or module names."""
     found: list[PluginSource] = []
     for item in _names(paths) or []:
         path = Path(item).expanduser()
@@ -203,15 +209,6 @@ def local_sources(paths: str | None) -> list[PluginSource]:
             continue
         found += [PluginSource(f.stem, str(f.resolve()), str(f.resolve()), local=True) for f in files]
     return found
-
-
-def _import_file(path: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"minisgl_local_plugin_{Path(path).stem}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def check_compatible(requirements: Iterable[str], version: str) -> str:
@@ -244,13 +241,11 @@ def load_plugins(
 ) -> PluginRegistry:
     """Load the plugins into a new :class:`PluginRegistry` (docs/plugins.md, "Choosing plugins").
 
-    ``only``: exactly these entry names, ignoring the environment's lists (worker processes).
-    ``extra``: plugins that are not installed. ``environ`` (default ``os.environ``) is read for
-    ``MINISGL_PLUGINS``, ``MINISGL_DISABLE_PLUGINS`` and ``MINISGL_STRICT_PLUGINS``. ``strict``: a
-    plugin that fails or is incompatible raises :class:`PluginError` instead of a warning.
-    ``raise_conflicts=False`` keeps the first of two clashing specs and records the clash in
-    ``registry.conflicts``. ``discover_installed=False`` loads only ``extra`` (not even the built-ins).
-    ``paths``: plugins that are not installed (``EngineConfig.plugin_paths``, see :func:`local_sources`).
+    ``only``: exactly these entry names, ignoring the environment's lists (worker processes); ``extra`` and
+    ``paths`` (:func:`local_sources`): plugins that are not installed; ``environ`` (default ``os.environ``):
+    where the lists and strict flag are read; ``strict``: a plugin that fails or is incompatible raises
+    :class:`PluginError` instead of a warning; ``raise_conflicts=False`` keeps the first of two clashing specs
+    and records the clash; ``discover_installed=False`` loads only ``extra`` (not even the built-ins).
     """
     env = os.environ if environ is None else environ
     strict = _flag(env.get(ENV_STRICT)) if strict is None else strict
@@ -295,8 +290,8 @@ def load_plugins(
             _report(f"{info.who} is incompatible: {info.error}", strict)
         else:
             found += _load(pm, src, info, strict)
-    for info, hook, specs in found:  # ranked by where pluggy calls each plugin: tryfirst first, trylast last
-        order = [impl.plugin_name for impl in reversed(getattr(pm.hook, hook).get_hookimpls())]
+    for info, kind, specs in found:  # ranked by where pluggy calls each plugin: tryfirst first, trylast last
+        order = [impl.plugin_name for impl in reversed(getattr(pm.hook, hookspecs.HOOKS[kind]).get_hookimpls())]
         for i, spec in enumerate(specs):
             registry.add(spec, info, (order.index(info.name), i))
     for kind, table in registry._table.items():
@@ -309,21 +304,19 @@ def load_plugins(
 
 def _load(
     pm: pluggy.PluginManager, src: PluginSource, info: PluginInfo, strict: bool
-) -> list[tuple[PluginInfo, str, list[ComponentSpec]]]:
+) -> list[tuple[PluginInfo, Kind, list[ComponentSpec]]]:
     """Import (through pluggy for installed ones), register and call one plugin: a failure drops it alone."""
     stage, found = f" failed to import '{info.module}'", []
     try:
-        if src.dist is None:
-            if not isinstance(src.module, str):
-                plugin = src.module
-            elif src.module.endswith(".py"):
-                plugin = _import_file(src.module)
-            else:
-                plugin = importlib.import_module(src.module)
-        elif not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):
-            raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
-        stage = " is not a valid minisgl plugin"
-        if src.dist is None:
+        if src.dist is not None:
+            if not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):
+                raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
+            stage = " is not a valid minisgl plugin"
+        else:
+            plugin = src.module
+            if isinstance(plugin, str):
+                plugin = _import_file(plugin) if plugin.endswith(".py") else importlib.import_module(plugin)
+            stage = " is not a valid minisgl plugin"
             pm.register(plugin, name=src.name)
         plugin = pm.get_plugin(src.name)
         if typos := [c.name for c in pm.get_hookcallers(plugin) or [] if c.spec is None]:
@@ -341,7 +334,7 @@ def _load(
                 specs = list(result)
                 if wrong := [s for s in specs if not isinstance(s, SPEC_TYPES[kind])]:
                     raise TypeError(f"{hook}() returned a {type(wrong[0]).__name__}, expected {expected}")
-                found.append((info, hook, specs))
+                found.append((info, kind, specs))
     except Exception as exc:
         if pm.has_plugin(src.name):
             pm.unregister(name=src.name)
@@ -349,6 +342,15 @@ def _load(
         _report(f"{info.who}{stage}: {info.error}", strict)
         return []
     return found
+
+
+def _import_file(path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"minisgl_local_plugin_{Path(path).stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _names(value: str | None) -> list[str] | None:

@@ -1,7 +1,7 @@
 """What plugins return from their hooks (frozen spec dataclasses), and the plugin layer's errors.
 
-A spec says how to build a component without building it: a lazy ``"pkg.mod:attr"`` factory (or support
-check) is imported only when the component is built, so an entry module never imports kernel libraries.
+A factory or support check may be a lazy ``"pkg.mod:attr"`` string, imported only when used, so an
+entry module never imports kernel libraries.
 """
 
 from __future__ import annotations
@@ -16,15 +16,6 @@ from typing import Any, ClassVar, Literal
 logger = logging.getLogger(__name__)
 
 Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe", "kernels"]
-KIND_LABELS: dict[Kind, str] = {
-    "model": "model architecture",
-    "attention": "attention backend",
-    "kv_pool": "KV cache pool",
-    "prefix_cache": "prefix cache",
-    "moe": "MoE backend",
-    "kernels": "kernel set",
-}
-KINDS: tuple[Kind, ...] = tuple(KIND_LABELS)
 _LAZY_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")  # "pkg.mod:Cls.attr"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")  # names appear in "--attn fa,flashinfer"
 
@@ -45,8 +36,8 @@ class PluginWarning(UserWarning):
 
 
 class Unsupported(Exception):
-    """Raised by an ``is_supported`` check: the component cannot run on that device; the message says
-    why and what to do (``"needs compute capability 10.0 (this GPU is 9.0); use --attn flashinfer"``)."""
+    """Raised by an ``is_supported`` check (or a kernel set's factory): the component cannot run there;
+    the message says why and what to do (``"needs compute capability 10.0; use --attn flashinfer"``)."""
 
 
 def resolve(ref: Callable[..., Any] | str) -> Any:
@@ -62,22 +53,18 @@ def resolve(ref: Callable[..., Any] | str) -> Any:
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    """One component. Fields (docs/plugins.md, "Reference: spec fields", says more):
-
-    ``name`` unique in its kind; ``factory`` a callable or lazy ``"pkg.mod:attr"``; ``aliases`` other
-    names; ``priority`` overrides the ``auto`` order set by pluggy's hook order (default 0; rarely
-    needed); ``is_supported`` ``None`` or a check taking the device type that returns a bool or raises
-    :class:`Unsupported`; ``override`` replaces another plugin's component of the same name;
-    ``description`` one line for ``minisgl plugins``.
-    """
+    """One component; docs/plugins.md, "Reference: spec fields", describes each field. ``is_supported``
+    takes the device type and returns a bool or raises :class:`Unsupported`."""
 
     kind: ClassVar[Kind]
+    noun: ClassVar[str]  # how messages name the kind
+    hook: ClassVar[str]  # the hook that declares the kind
     name: str
     factory: Callable[..., Any] | str
     aliases: tuple[str, ...] = ()
-    priority: int = 0
+    priority: int = 0  # overrides the auto order set by pluggy's hook order; rarely needed
     is_supported: Callable[[str], bool] | str | None = None
-    override: bool = False
+    override: bool = False  # replaces another plugin's component of the same name
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -94,10 +81,8 @@ class ComponentSpec:
             raise ValueError(f"{owner} '{self.name}' lists its own name among its aliases")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"{owner}.priority must be an int, got {self.priority!r}")
-        checks = [("factory", self.factory)] + (
-            [("is_supported", self.is_supported)] if self.is_supported is not None else []
-        )
-        for attr, ref in checks:
+        for attr in ("factory", "is_supported") if self.is_supported is not None else ("factory",):
+            ref = getattr(self, attr)
             if not (_LAZY_REF.match(ref) if isinstance(ref, str) else callable(ref)):
                 error = ValueError if isinstance(ref, str) else TypeError
                 raise error(f"{owner}.{attr} must be a callable or a 'package.module:attribute' string, got {ref!r}")
@@ -105,7 +90,7 @@ class ComponentSpec:
     @property
     def label(self) -> str:
         """``attention backend 'torch'``: how messages name this component."""
-        return f"{KIND_LABELS[self.kind]} '{self.name}'"
+        return f"{self.noun} '{self.name}'"
 
     @property
     def factory_ref(self) -> str:
@@ -129,7 +114,7 @@ class ComponentSpec:
         return self.unsupported_reason(device) is None
 
     def unsupported_reason(self, device: str) -> str | None:
-        """``None`` when this runs on ``device`` (``"cuda:1"`` counts as ``"cuda"``); else why not
+        """``None`` when this runs on ``device`` (``"cuda:1"`` counts as ``"cuda"``), else why not
         (``""`` when the check just returned False). A check that crashes means unsupported."""
         if self.is_supported is None:
             return None
@@ -146,35 +131,40 @@ class ComponentSpec:
 class ModelSpec(ComponentSpec):
     """``name``: the Hugging Face architecture; built as ``factory(ctx: ModelContext)`` -> ``CausalLM``."""
 
-    kind = "model"
+    kind, noun, hook = "model", "model architecture", "minisgl_models"
 
 
 class AttentionBackendSpec(ComponentSpec):
     """Built as ``factory(ctx: AttentionContext)`` -> ``BaseAttnBackend`` (``--attn NAME``)."""
 
-    kind = "attention"
+    kind, noun, hook = "attention", "attention backend", "minisgl_attention_backends"
 
 
 class KVPoolSpec(ComponentSpec):
     """Built as ``factory(layout: KVLayout)`` -> ``BaseKVPool`` (``--kv-pool NAME``)."""
 
-    kind = "kv_pool"
+    kind, noun, hook = "kv_pool", "KV cache pool", "minisgl_kv_cache_pools"
 
 
 class PrefixCacheSpec(ComponentSpec):
     """Built as ``factory(page_size=int, device=torch.device)`` -> ``BasePrefixCache`` (``--cache NAME``)."""
 
-    kind = "prefix_cache"
+    kind, noun, hook = "prefix_cache", "prefix cache", "minisgl_prefix_caches"
 
 
 class MoEBackendSpec(ComponentSpec):
     """Built as ``factory()`` -> ``BaseMoEBackend`` (``--moe-backend NAME``)."""
 
-    kind = "moe"
+    kind, noun, hook = "moe", "MoE backend", "minisgl_moe_backends"
 
 
 class KernelSetSpec(ComponentSpec):
     """Built as ``factory(device: torch.device, dtype: torch.dtype)`` -> ``KernelSet`` (``--kernels NAME``);
-    the factory raises :class:`Unsupported` for a dtype it does not serve."""
+    the factory raises :class:`Unsupported` for a dtype it does not serve (``auto`` then takes the next)."""
 
-    kind = "kernels"
+    kind, noun, hook = "kernels", "kernel set", "minisgl_kernel_sets"
+
+
+SPEC_TYPES: dict[Kind, type[ComponentSpec]] = {t.kind: t for t in ComponentSpec.__subclasses__()}
+KINDS: tuple[Kind, ...] = tuple(SPEC_TYPES)
+KIND_LABELS: dict[Kind, str] = {kind: t.noun for kind, t in SPEC_TYPES.items()}
