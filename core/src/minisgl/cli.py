@@ -1,8 +1,6 @@
-"""The ``minisgl`` command: a thin dispatcher, so ``--help`` stays fast.
-
-Each subcommand lives in its own module and is imported only when used. ``bench`` is
-the separate package minisgl-bench; without it, the command says how to install it.
-"""
+"""The ``minisgl`` command: a thin dispatcher (each subcommand's module is imported only when used, so
+``--help`` stays fast). ``bench`` is the separate package minisgl-bench; without it, the command says how
+to install it."""
 
 from __future__ import annotations
 
@@ -18,16 +16,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("minisgl_bench.cli", "run a benchmark (offline throughput, serving); needs minisgl-bench"),
 }
 # Subcommands of another distribution: (its top-level module, its name, its path in the source tree).
-SEPARATE: dict[str, tuple[str, str, str]] = {
-    "bench": ("minisgl_bench", "minisgl-bench", "benchmarks/minisgl-bench"),
-}
+SEPARATE: dict[str, tuple[str, str, str]] = {"bench": ("minisgl_bench", "minisgl-bench", "benchmarks/minisgl-bench")}
 
 
 def _usage() -> str:
-    lines = ["usage: minisgl <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "Run 'minisgl <command> --help' for the options of a command."]
-    return "\n".join(lines)
+    lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    hint = "Run 'minisgl <command> --help' for the options of a command."
+    return "\n".join(["usage: minisgl <command> [options]", "", "commands:", *lines, "", hint])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`minisgl plugins --json | head`): stop quietly, as other tools do.
         # Point stdout at /dev/null so the interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the pipe
 
 

@@ -1,9 +1,5 @@
-"""``minisgl plugin new NAME --kind KIND``: a plugin package that installs, lists and passes its tests as generated.
-
-The files come from ``minisgl/templates/plugin/`` (``common/`` plus one folder per kind): a current
-``pyproject.toml`` with the entry point and a ``test`` extra holding what the kind's conformance kit
-needs, the entry module, a component that starts as the core's reference, and a test wired to the kit.
-"""
+"""``minisgl plugin new NAME --kind KIND``: a plugin package that installs, lists and passes its tests as
+generated, from ``minisgl/templates/plugin/`` (``common/`` plus one folder per kind)."""
 
 from __future__ import annotations
 
@@ -38,10 +34,7 @@ class ScaffoldError(ValueError):
 
 def create(name: str, kind: str, parent: Path, description: str = "", architecture: str = "") -> Path:
     """Write the package ``minisgl-plugin-NAME`` for a component of ``kind`` under ``parent``; its path.
-
-    A model plugin needs ``architecture``: the Hugging Face class name (``Phi3ForCausalLM``); its test
-    builds a tiny model of that class with transformers.
-    """
+    A model plugin needs ``architecture``, the Hugging Face class name (``Phi3ForCausalLM``)."""
     if not _NAME.match(name):
         raise ScaffoldError(f"plugin name {name!r} must be lower case letters, digits and '_', starting with a letter")
     if kind not in KINDS:
@@ -70,18 +63,17 @@ def create(name: str, kind: str, parent: Path, description: str = "", architectu
         "api_next": f"{major}.{minor + 1}",
         "usage": USAGE[kind].format(name=name, architecture=architecture),
     }
-    templates = resources.files("minisgl") / "templates" / "plugin"
+    common, own = (resources.files("minisgl") / "templates" / "plugin" / d for d in ("common", kind))
     files = {
-        "pyproject.toml": templates / "common" / "pyproject.toml.tmpl",
-        "README.md": templates / "common" / "README.md.tmpl",
-        f"src/{module}/plugin.py": templates / kind / "plugin.py.tmpl",
-        f"src/{module}/{spec['component']}.py": templates / kind / f"{spec['component']}.py.tmpl",
-        f"tests/test_{name}.py": templates / kind / "test.py.tmpl",
+        "pyproject.toml": common / "pyproject.toml.tmpl",
+        "README.md": common / "README.md.tmpl",
+        f"src/{module}/plugin.py": own / "plugin.py.tmpl",
+        f"src/{module}/{spec['component']}.py": own / f"{spec['component']}.py.tmpl",
+        f"tests/test_{name}.py": own / "test.py.tmpl",
     }
     for rel, template in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(string.Template(template.read_text()).substitute(values))
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(string.Template(template.read_text()).substitute(values))
     (root / "src" / module / "__init__.py").write_text(f'"""{dist}: {values["description"]}."""\n')
     return root
 
