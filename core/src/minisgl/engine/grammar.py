@@ -1,11 +1,6 @@
-"""Structured output: grammars compiled by xgrammar, one matcher per request, token bitmasks.
-
-A :class:`GrammarBackend` belongs to one scheduler (there is no module-level state): it
-compiles each ``(kind, text)`` once into a bounded LRU cache, hands each constrained request
-a matcher, and each step fills the allowed-token bitmask of the batch's constrained rows on
-the host and copies it to the device as a :class:`TokenMask`, which the sampler applies to
-the logits. xgrammar is optional (``pip install 'minisgl[structured]'``); it is imported on
-the first grammar request, and a request for a grammar without it fails with a clear error.
+"""Structured output: grammars compiled by xgrammar (an optional extra, imported on first use), one matcher
+per request, and each step's allowed-token bitmask of the constrained rows, filled on the host and copied to
+the device as a :class:`TokenMask` that the sampler applies to the logits.
 """
 
 from __future__ import annotations
@@ -51,28 +46,22 @@ class TokenMask:
 
 
 class GrammarBackend:
-    """Compiles grammars for one tokenizer and fills the token bitmasks of a scheduler's batches.
+    """Compiles grammars for one tokenizer (into a bounded LRU cache) and fills one scheduler's bitmasks.
 
-    ``vocab_size`` is the model's (the width of its logits, which may exceed the tokenizer's);
-    ``stop_token_ids`` are the tokens that end a request, allowed only where the grammar may end.
+    ``vocab_size`` is the model's (its logits may be wider than the tokenizer's vocabulary);
+    ``stop_token_ids`` end a request and are allowed only where the grammar may end.
     """
 
+    cache_size = 64  # compiled grammars kept
+
     def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: Sequence[int],
-        *,
-        max_rows: int,
-        device: torch.device,
-        cache_size: int = 64,
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *, max_rows: int, device: torch.device
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_rows = max_rows
         self.device = device
-        self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._compiler: Any = None  # built on the first grammar request (the tokenizer scan takes a moment)
         self._host: torch.Tensor | None = None
@@ -97,6 +86,9 @@ class GrammarBackend:
             self._cache.move_to_end(key)
             return hit
         compiler = self._get_compiler(field)
+        what = {"json": "json", "json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
+        if kind not in what:
+            raise ValidationError("grammar", f"unknown grammar kind {kind!r}")
         try:
             if kind == "json":
                 # Any JSON object, compact: free whitespace lets a small model pad forever.
@@ -105,15 +97,10 @@ class GrammarBackend:
                 compiled = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
-            elif kind == "ebnf":
-                compiled = compiler.compile_grammar(text)
             else:
-                raise ValidationError("grammar", f"unknown grammar kind {kind!r}")
-        except ValidationError:
-            raise
+                compiled = compiler.compile_grammar(text)
         except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError/its own errors
-            what = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}.get(kind, kind)
-            raise ValidationError(field, f"invalid {what}: {str(exc).strip() or type(exc).__name__}") from exc
+            raise ValidationError(field, f"invalid {what[kind]}: {str(exc).strip() or type(exc).__name__}") from exc
         self._cache[key] = compiled
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -127,12 +114,9 @@ class GrammarBackend:
         return xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=not self.stop_token_ids)
 
     def fill(self, matchers: Sequence[tuple[int, Any]], n: int) -> TokenMask | None:
-        """The bitmask of a sampling batch of ``n`` rows, ``matchers`` giving ``(row, matcher)`` of the
-        constrained ones, copied to the device (pinned, non-blocking on CUDA).
-
-        The host buffer is reused: the caller makes sure the previous step that used it has completed
-        (the scheduler reads a constrained step's tokens before it fills the next mask).
-        """
+        """The device bitmask of a batch of ``n`` rows, ``matchers`` being the constrained ``(row, matcher)``.
+        The host buffer is reused: the caller waits for the last step that used it (the scheduler reads a
+        constrained step's tokens before it fills the next mask)."""
         if not matchers:
             return None
         if self._host is None or self._dev is None:

@@ -1,12 +1,7 @@
-"""CUDA-graph capture and replay of decode steps.
-
-A decode step of a small model is hundreds of short kernels; launching them
-one by one from Python costs more than running them. Each batch size in
-:func:`graph_batch_sizes` gets one captured graph (model forward plus LM head)
-over static input buffers; a batch of ``n`` requests replays the smallest graph
-of at least ``n``, padded with dummy requests that write to the scratch KV slot
-0 and whose outputs are ignored. All graphs share one memory pool: they never
-run at the same time.
+"""CUDA-graph capture and replay of decode steps: a small model's decode step is hundreds of short kernels,
+cheaper to replay than to launch from Python. Each size of :func:`graph_batch_sizes` gets one graph (forward
+and LM head) over static inputs; a batch replays the smallest graph that fits, padded with dummy entries
+that write to scratch slot 0. The graphs share one memory pool: they never run at once.
 """
 
 from __future__ import annotations
@@ -53,25 +48,14 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         self._capture_all()
-        logger.info(
-            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.2fs, using %.2f GiB",
-            len(self.graphs),
-            self.batch_sizes[0],
-            self.max_bs,
-            time.perf_counter() - t0,
-            (free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 30),
-        )
         self.capture_seconds = time.perf_counter() - t0
+        used_gib = (free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 30)
+        msg = "captured %d decode CUDA graphs (batch sizes %d..%d) in %.2fs, using %.2f GiB"
+        logger.info(msg, len(self.graphs), self.batch_sizes[0], self.max_bs, self.capture_seconds, used_gib)
 
     def _static_batch(self, bs: int) -> Batch:
-        return Batch(
-            reqs=[],
-            phase="decode",
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            out_loc=self.out_loc[:bs],
-            padded_size=bs,
-        )
+        ids, pos, loc = self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs]
+        return Batch(reqs=[], phase="decode", input_ids=ids, positions=pos, out_loc=loc, padded_size=bs)
 
     def _run(self, batch: Batch) -> torch.Tensor:
         assert batch.input_ids is not None and batch.positions is not None

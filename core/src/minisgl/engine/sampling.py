@@ -1,5 +1,5 @@
-"""Token sampling on the device: logit bias, grammar masks, penalties, temperature, top-k/top-p/min-p,
-seeds, logprobs."""
+"""Token sampling on the device: logit bias, grammar masks, penalties, temperature, top-k/p, min-p, seeds,
+logprobs."""
 
 from __future__ import annotations
 
@@ -35,13 +35,9 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row of a logits matrix, each row with its request's params.
-
-    Unseeded rows draw from this sampler's own generator (seeded by the engine
-    seed), so two engines in one process never share random state. A row with a
-    ``seed`` uses noise derived from ``(seed, step)`` only, so its output does not
-    depend on what else is in the batch.
-    """
+    """One token per row of a logits matrix, each with its request's params. Unseeded rows draw from this
+    sampler's generator (two engines never share random state); a row with a ``seed`` uses noise derived
+    from ``(seed, step)`` only, independent of the rest of the batch."""
 
     def __init__(self, device: torch.device, seed: int = 0, kernels: KernelSet | None = None):
         self.device = device
@@ -134,14 +130,8 @@ class Sampler:
 
     @staticmethod
     def _apply_bias(logits: torch.Tensor, reqs: list[Req]) -> None:
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        for i, r in enumerate(reqs):
-            for t, b in (r.params.logit_bias or {}).items():
-                rows.append(i)
-                cols.append(t)
-                vals.append(b)
+        bias = [(i, t, b) for i, r in enumerate(reqs) for t, b in (r.params.logit_bias or {}).items()]
+        rows, cols, vals = (list(column) for column in zip(*bias, strict=True))
         dev = logits.device
         index = (to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev))
         logits.index_put_(index, to_device(vals, torch.float32, dev), accumulate=True)
@@ -168,29 +158,17 @@ class Sampler:
     def _logprobs(raw: torch.Tensor, reqs: list[Req]) -> list[TokenLogprob | None]:
         want = [r.params.logprobs for r in reqs]
         k = max((w for w in want if w is not None), default=0)
-        logp = torch.log_softmax(raw, dim=-1)
-        top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (None, None)
-        out: list[TokenLogprob | None] = []
-        tv = top_vals.tolist() if top_vals is not None else None
-        ti = top_ids.tolist() if top_ids is not None else None
-        for i, w in enumerate(want):
-            if w is None:
-                out.append(None)
-                continue
-            top = list(zip(ti[i][:w], tv[i][:w], strict=False)) if (ti is not None and tv is not None and w > 0) else []
-            out.append(TokenLogprob(token_id=-1, logprob=0.0, top=top))
-        return out
+        top: list[list[tuple[int, float]]] = [[] for _ in reqs]
+        if k > 0:
+            vals, ids = torch.log_softmax(raw, dim=-1).topk(k, dim=-1)
+            top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        return [
+            None if w is None else TokenLogprob(token_id=-1, logprob=0.0, top=top[i][:w]) for i, w in enumerate(want)
+        ]
 
 
 def _plain(p: SamplingParams) -> bool:
     """Temperature (or greedy) sampling only: no filters, penalties, seed or logprobs."""
-    if p.greedy:
-        return not p.has_penalty and p.logprobs is None
-    return (
-        p.top_k in (-1, 0)
-        and p.top_p >= 1.0
-        and p.min_p <= 0.0
-        and p.seed is None
-        and not p.has_penalty
-        and p.logprobs is None
-    )
+    if p.has_penalty or p.logprobs is not None:
+        return False
+    return p.greedy or (p.top_k in (-1, 0) and p.top_p >= 1.0 and p.min_p <= 0.0 and p.seed is None)
