@@ -1,14 +1,10 @@
-"""``minisgl chat`` (and ``minisgl serve --shell``): chat with a model in the terminal.
+"""``minisgl chat`` (and ``minisgl serve --shell``): chat with a model in the terminal, the engine in-process.
 
-The engine runs in this process; replies stream token by token. The
-conversation is kept and sent whole each turn (through the model's chat
-template). ``/reset`` clears it, ``/exit`` (or Ctrl-D) quits, Ctrl-C stops
-the reply being written.
+The conversation is sent whole each turn, through the chat template; replies stream token by token.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 from typing import Any, TextIO
@@ -17,14 +13,6 @@ from .settings import PreflightError, ServeSettings, SettingsError, build_parser
 
 DESCRIPTION = "Chat with a model in this terminal (the engine runs in-process)."
 HELP_TEXT = "Commands: /reset clears the conversation, /exit quits. Ctrl-C stops a reply."
-_CHAT_ARGS = ("temperature", "max_tokens", "system")
-
-
-def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("chat")
-    group.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy (default: 0.7)")
-    group.add_argument("--max-tokens", type=int, help="longest reply in tokens (default: 512)")
-    group.add_argument("--system", type=str, help="system prompt (default: none; the template's own if it has one)")
 
 
 def run_chat(
@@ -37,14 +25,13 @@ def run_chat(
     stdin: TextIO | None = None,
     stdout: TextIO | None = None,
 ) -> int:
-    """Load the model and chat until /exit or end of input."""
+    """Load the model and chat until /exit or end of input; Ctrl-C stops the reply being written."""
     from ..core import SamplingParams, ValidationError
     from ..llm import LLM
     from ..tokenizer import IncrementalDetokenizer
     from .workers import user_error
 
-    out = stdout or sys.stdout
-    inp = stdin or sys.stdin
+    out, inp = stdout or sys.stdout, stdin or sys.stdin
     try:
         fields = settings.engine_fields()
         llm = LLM(fields.pop("model"), **fields, plugins=tuple(plugins))
@@ -124,11 +111,13 @@ def _stream_reply(sched: Any, req: Any, detok: Any, out: TextIO) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
     parser = build_parser("minisgl chat", description=DESCRIPTION)
-    _add_chat_flags(parser)
-    values = vars(parser.parse_args(args))
-    chat = {k: values.pop(k) for k in _CHAT_ARGS if k in values}
+    group = parser.add_argument_group("chat")
+    group.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy (default: 0.7)")
+    group.add_argument("--max-tokens", type=int, help="longest reply in tokens (default: 512)")
+    group.add_argument("--system", type=str, help="system prompt (default: none; the template's own if it has one)")
+    values = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    chat = {k: values.pop(k) for k in ("temperature", "max_tokens", "system") if k in values}
     try:
         settings = settings_from_args(values)
         plugins = preflight(settings)

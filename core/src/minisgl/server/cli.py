@@ -1,9 +1,5 @@
-"""``minisgl serve``: check the settings cheaply, then start the server (or a terminal chat).
-
-Everything that can be wrong without loading the model (flag values, backend
-and cache names against the installed plugins, the model path) is checked
-here, before any worker process starts, so a typo fails in well under a second.
-"""
+"""``minisgl serve``: check the settings cheaply (a typo fails in well under a second, before any worker starts),
+then start the server (or a terminal chat)."""
 
 from __future__ import annotations
 

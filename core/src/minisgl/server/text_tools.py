@@ -1,13 +1,7 @@
-"""The API process's own tokenizer, for ``POST /tokenize`` and ``POST /detokenize``.
-
-Generation requests are tokenized by the tokenizer worker processes, which send the ids on to the
-scheduler and never back to the API server. These two routes answer with the ids (or the text)
-themselves, so they get a tokenizer of their own here rather than a new round trip through the
-workers: loaded once, at start-up, on a background thread, and every call runs on that one thread
-(``minisgl-tokenize``), never on the event loop. Each call's work is bounded: a text that surely has
-more tokens than the context length (judged from its length in characters) is refused before it is
-tokenized, and no more ids than the context length are decoded. The cost is one more copy of the
-tokenizer (and of the libraries it needs) in the API process.
+"""The API process's own tokenizer, for ``POST /tokenize`` and ``POST /detokenize`` (the workers never send ids
+back). Loaded once, in the background; every call runs on its one thread (``minisgl-tokenize``), never on the
+event loop, and is bounded: a text surely longer than the context (judged from its characters) is refused before
+it is tokenized, and no more ids than the context length are decoded.
 """
 
 from __future__ import annotations
@@ -69,17 +63,12 @@ class TextTools:
         try:
             tok, max_chars = self._loaded.result()  # done: loading ran first on this one thread
         except Exception as exc:
-            raise APIError(
-                503,
-                f"the tokenizer could not be loaded ({type(exc).__name__}: {exc}); see the server log",
-                "server_error",
-                code="service_unavailable",
-            ) from None
+            message = f"the tokenizer could not be loaded ({type(exc).__name__}: {exc}); see the server log"
+            raise APIError(503, message, "server_error", code="service_unavailable") from None
         if tok is None:
             raise ValidationError(field, "this model has no tokenizer (its directory ships no tokenizer files)")
         return tok, max_chars
 
-    # ------------------------------------------------------------------ calls
     async def chat_template(self) -> str | None:
         """The model's chat template (its text), or None (no tokenizer, or none that loaded)."""
         return await self._run(self._chat_template)
@@ -94,16 +83,9 @@ class TextTools:
             template = "\n".join(str(t) for t in template.values())
         return template if isinstance(template, str) else None
 
-    async def tokenize(
-        self,
-        source: str | list[dict[str, Any]],
-        add_special_tokens: bool,
-        add_generation_prompt: bool,
-        strs: bool,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> tuple[list[int], list[str] | None]:
-        """Token ids (and their strings when ``strs``) of a prompt or of chat messages (with ``tools``)."""
-        return await self._run(self._tokenize, source, add_special_tokens, add_generation_prompt, strs, tools)
+    async def tokenize(self, *args: Any) -> tuple[list[int], list[str] | None]:
+        """See :meth:`_tokenize`."""
+        return await self._run(self._tokenize, *args)
 
     def _tokenize(
         self,
@@ -113,24 +95,21 @@ class TextTools:
         strs: bool,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[str] | None]:
+        """Token ids (and their strings when ``strs``) of a prompt or of chat messages (with ``tools``)."""
         field = "prompt" if isinstance(source, str) else "messages"
         tok, max_chars = self._tokenizer(field)
-        if isinstance(source, str):
-            text = source
-        else:
+        text = source
+        if not isinstance(source, str):
             try:
                 text = apply_template(tok, source, tools, add_generation_prompt)
             except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
                 raise ValidationError("messages", f"cannot apply the chat template: {exc}") from None
+        assert isinstance(text, str)
         limit = self.max_model_len
-        if limit and max_chars > 0:
-            at_least = math.ceil(len(text) / max_chars)
-            if at_least > limit:
-                raise ValidationError(
-                    field,
-                    f"the text has at least {at_least} tokens ({len(text)} characters), "
-                    f"more than the context length {limit}",
-                )
+        at_least = math.ceil(len(text) / max_chars) if limit and max_chars > 0 else 0
+        if limit and at_least > limit:
+            message = f"the text has at least {at_least} tokens ({len(text)} characters), more than the context length"
+            raise ValidationError(field, f"{message} {limit}")
         ids = [int(t) for t in tok.encode(text, add_special_tokens=add_special_tokens)]
         if limit and len(ids) > limit:
             raise ValidationError(field, f"the text has {len(ids)} tokens, more than the context length {limit}")
