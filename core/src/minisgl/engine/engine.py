@@ -1,10 +1,9 @@
-"""The engine: builds the model, KV pool and attention backend, and runs one batch.
+"""The engine: builds the model, KV pool, attention backend and kernel set, and runs one batch.
 
-One step: the scheduler allocates KV slots in its :class:`~minisgl.kvcache.KVCacheManager`
-(host page table), :meth:`Engine.prepare` turns the batch and the manager's new table
-entries into :class:`StepInputs` on the device, and :meth:`Engine.launch` mirrors those
-entries into the engine's device page table and runs the batch. The engine never reads
-the manager; its device state (page table, last sampled tokens) changes only in ``launch``.
+The scheduler allocates KV slots in its :class:`~minisgl.kvcache.KVCacheManager` (host page table);
+:meth:`Engine.prepare` turns a batch and the manager's new table entries into :class:`StepInputs`;
+:meth:`Engine.launch` mirrors them into the device page table and runs the batch. The engine never
+reads the manager; its device state (page table, last sampled tokens) changes only in ``launch``.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,10 +73,9 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValidationError("device", "CUDA was requested but torch sees no CUDA device")
 
-        if config.load_format == "dummy" and config.hf_config_path:
-            # Random weights of the configured shapes: no checkpoint is read.
+        if config.load_format == "dummy" and config.hf_config_path:  # random weights: no checkpoint is read
             self.source = None
-            self.hf_config = load_config(ModelSource(path=_dummy_path(config.model)), config.hf_config_path)
+            self.hf_config = load_config(ModelSource(path=Path(config.model or ".")), config.hf_config_path)
         else:
             self.source = ModelSource.from_path(config.model)
             self.hf_config = load_config(self.source, config.hf_config_path)
@@ -87,8 +86,7 @@ class Engine:
             )
         self.architecture = archs[0]
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        # The layer kernels, chosen once for this device and dtype (EngineConfig.kernels).
-        self.kernels = select_kernels(self.device, self.dtype, config.kernels, self.registry)
+        self.kernels = select_kernels(self.device, self.dtype, config.kernels, self.registry)  # once, for every layer
 
         self._build_components()
         t0 = time.perf_counter()
@@ -107,14 +105,10 @@ class Engine:
 
     # ------------------------------------------------------------------ build
     def _max_model_len(self) -> int:
-        limit = self.model.max_positions
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ValidationError(
-                    "max_model_len", f"{self.config.max_model_len} exceeds the model's maximum context {limit}"
-                )
-            return self.config.max_model_len
-        return limit
+        limit, wanted = self.model.max_positions, self.config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValidationError("max_model_len", f"{wanted} exceeds the model's maximum context {limit}")
+        return limit if wanted is None else wanted
 
     def _build_components(self) -> None:
         reg, dev = self.registry, self.device.type
@@ -129,11 +123,8 @@ class Engine:
         self._attn_names = names
         self.attn_specs = [reg.pick("attention", n, dev) for n in names]
         self.moe_backend: BaseMoEBackend | None = None
-        if self._is_moe():
+        if getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0):
             self.moe_backend = reg.pick("moe", self.config.moe_backend, dev).build()
-
-    def _is_moe(self) -> bool:
-        return bool(getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0))
 
     def _build_model(self) -> CausalLM:
         ctx = ModelContext(
@@ -152,60 +143,41 @@ class Engine:
             model.load_weights(iter_weights(self.source))
         return model.eval()
 
-    def _num_pages(self, layout_bytes_per_token: int) -> int:
-        cfg = self.config
-        ps = cfg.page_size
-        if cfg.num_pages is not None:
-            return cfg.num_pages
-        want_tokens = cfg.max_running_requests * self.max_model_len
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.mem_fraction)
-        else:
-            budget = int(cfg.cpu_kv_cache_gb * (1 << 30))
-        tokens = min(want_tokens, budget // layout_bytes_per_token)
-        return max(2, tokens // ps + 1)
-
-    def _build_kv_pool(self) -> BaseKVPool:
-        cfg, hf = self.config, self.hf_config
+    def _heads(self) -> tuple[int, int, int]:
+        """Query heads, KV heads (both of this rank) and head_dim."""
+        hf, tp = self.hf_config, self.tp.size
         heads = hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        local_kv = max(1, kv_heads // self.tp.size)
-        probe = KVLayout(hf.num_hidden_layers, 2, cfg.page_size, local_kv, head_dim, self.dtype, self.device)
+        return heads // tp, max(1, kv_heads // tp), getattr(hf, "head_dim", None) or hf.hidden_size // heads
+
+    def _num_pages(self, bytes_per_token: int) -> int:
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
+        else:
+            budget = int(cfg.cpu_kv_cache_gb * (1 << 30))
+        tokens = min(cfg.max_running_requests * self.max_model_len, budget // bytes_per_token)
+        return max(2, tokens // cfg.page_size + 1)
+
+    def _build_kv_pool(self) -> BaseKVPool:
+        _, kv_heads, head_dim = self._heads()
+        layers, ps = self.hf_config.num_hidden_layers, self.config.page_size
+        probe = KVLayout(layers, 2, ps, kv_heads, head_dim, self.dtype, self.device)
         num_pages = self._num_pages(probe.bytes_per_token())
-        layout = KVLayout(
-            hf.num_hidden_layers, num_pages, cfg.page_size, local_kv, head_dim, self.dtype, self.device, self.kernels
-        )
+        layout = KVLayout(layers, num_pages, ps, kv_heads, head_dim, self.dtype, self.device, self.kernels)
         pool = self.kv_pool_spec.build(layout)
-        logger.info(
-            "KV pool: %d pages of %d tokens (%.2f GiB)",
-            num_pages,
-            cfg.page_size,
-            layout.bytes_per_token() * layout.num_slots / (1 << 30),
-        )
+        gib = layout.bytes_per_token() * layout.num_slots / (1 << 30)
+        logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, ps, gib)
         return pool
 
     def _build_attention(self) -> BaseAttnBackend:
-        hf = self.hf_config
-        heads = hf.num_attention_heads
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        ctx = AttentionContext(
-            num_qo_heads=heads // self.tp.size,
-            num_kv_heads=max(1, kv_heads // self.tp.size),
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            page_size=self.config.page_size,
-            kv_pool=self.kv_pool,
-            page_table=self.page_table,
-            max_batch_size=self.config.max_running_requests,
-            max_seq_len=self.page_table.shape[1],
-            dtype=self.dtype,
-            device=self.device,
-        )
+        cfg, table = self.config, self.page_table
+        limits = (cfg.max_running_requests, table.shape[1])  # batch size, sequence length
+        ctx = AttentionContext(*self._heads(), cfg.page_size, self.kv_pool, table, *limits, self.dtype, self.device)
         backends = [self._build_attention_backend(i, ctx) for i in range(len(self.attn_specs))]
-        if len(backends) == 1:
-            return backends[0]
-        if self.attn_specs[0].name == self.attn_specs[1].name:
+        if len(backends) == 1 or self.attn_specs[0].name == self.attn_specs[1].name:
             return backends[0]
         return HybridAttnBackend(backends[0], backends[1])
 
@@ -235,8 +207,7 @@ class Engine:
         """``auto`` fell back to the reference backend on a GPU: slow, and no CUDA graphs. Say why."""
         why = list(rejected)
         for other in self.registry.specs("attention"):
-            reason = other.unsupported_reason("cuda")
-            if reason is not None:
+            if (reason := other.unsupported_reason("cuda")) is not None:
                 why.append(f"{other.name}: {reason or 'not supported on cuda'}")
         hint = "install a GPU attention backend, e.g. pip install ./plugins/minisgl-plugin-flashinfer (see docs/gpu.md)"
         logger.warning(
@@ -271,22 +242,15 @@ class Engine:
         inputs: StepInputs,
         before_sample: Callable[[], LogitsMask | None] | None = None,
     ) -> PendingStep:
-        """Enqueue ``batch`` on the device; sampled tokens arrive in the returned handle.
-
-        On CUDA nothing here waits for the device: the next batch can be
-        prepared while this one runs. ``before_sample`` is called once the
-        forward (graph or eager) is enqueued and before sampling; it returns the
-        grammar mask of the rows that sample (the scheduler may first wait for
-        the previous step's tokens there, while this forward runs).
-        """
+        """Enqueue ``batch``; sampled tokens arrive in the returned handle. On CUDA nothing here waits for
+        the device. ``before_sample``, called once the forward is enqueued, returns the grammar mask of the
+        rows that sample (the scheduler may wait there for the previous step's tokens while this one runs)."""
         inputs.apply(batch, self.page_table, self.last_token)
         reqs = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.replay(batch)
         else:
-            assert batch.input_ids is not None and batch.positions is not None
-            self.attn.prepare_metadata(batch)
-            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
+            hidden = self._forward(batch)
             if not reqs:
                 return PendingStep(torch.empty(0, dtype=torch.int64), [], None)
             logits = self.model.compute_logits(hidden if inputs.sample_idx is None else hidden[inputs.sample_idx])
@@ -306,10 +270,13 @@ class Engine:
     def prefill_logits(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:
         """Logits at every new position of ``batch`` (for tests and scoring)."""
         inputs.apply(batch, self.page_table, self.last_token)
+        return self.model.compute_logits(self._forward(batch))
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """The eager forward: hidden states at every new position."""
         assert batch.input_ids is not None and batch.positions is not None
         self.attn.prepare_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
-        return self.model.compute_logits(hidden)
+        return self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
 
 
 @dataclass
@@ -383,9 +350,3 @@ def _causal_lm_for(hf_config: Any) -> list[str]:
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""))
     return [name] if isinstance(name, str) else []
-
-
-def _dummy_path(model: str) -> Any:
-    from pathlib import Path
-
-    return Path(model or ".")

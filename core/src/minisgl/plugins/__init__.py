@@ -1,7 +1,5 @@
-"""The plugin layer: hooks, the specs plugins return, the loader and the registry (docs/plugins.md).
-
-It imports only the standard library, pluggy and ``packaging``, so entry modules stay cheap to load.
-"""
+"""The plugin layer (docs/plugins.md): hooks, specs, loader, registry. It imports only the standard library,
+pluggy and ``packaging``, so entry modules stay cheap to load."""
 
 # ruff: noqa: F401, I001  (re-exports, grouped by module)
 from .devices import cuda_capabilities

@@ -1,8 +1,5 @@
-"""The compute capability of the CUDA GPUs this process may use, without creating a CUDA context.
-
-Support checks run before any worker loads torch, so they ask NVML through ctypes; torch answers
-where it has already set CUDA up in this process, or where NVML cannot.
-"""
+"""The compute capability of the CUDA GPUs this process may use, without creating a CUDA context: support
+checks run before any worker loads torch, so they ask NVML through ctypes (torch where it has set CUDA up)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ Capability = tuple[int, int]
 
 def only_visible(caps: list[Capability], visible: str | None) -> list[Capability]:
     """The entries of ``caps`` (NVML order) that ``CUDA_VISIBLE_DEVICES`` leaves, up to the first invalid
-    index as CUDA does; with UUIDs or MIG names, all of them (checks require support of every GPU)."""
+    index as CUDA does; with UUIDs or MIG names, all of them."""
     items = [s.strip() for s in (visible or "").split(",") if s.strip()]
     if visible is None or not all(s.lstrip("-").isdigit() for s in items):
         return caps

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
 
 from ..utils import VERSION
 from . import hookspecs
@@ -213,10 +214,6 @@ def local_sources(paths: str | None) -> list[PluginSource]:
 
 def check_compatible(requirements: Iterable[str], version: str) -> str:
     """Why a plugin requiring ``requirements`` cannot run on core ``version`` ('' if it can)."""
-    try:
-        from packaging.requirements import InvalidRequirement, Requirement
-    except ImportError:  # packaging comes with pip; without it, trust the installer
-        return ""
     for raw in requirements:
         try:
             req = Requirement(raw)
