@@ -58,7 +58,7 @@ class TorchDistCommunicator(Communicator):
     def __init__(self, group: Any = None, world_size: int | None = None):
         import torch.distributed as dist
 
-        self.group = group if group is not None else dist.group.WORLD
+        self.group: Any = group if group is not None else dist.group.WORLD
         self.world_size = world_size or dist.get_world_size(group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,11 @@
-"""Continuous batching with chunked prefill, admission by KV capacity and overlap scheduling.
+"""Continuous batching: chunked prefill, admission by KV capacity (first come, first served), overlap.
 
-Each :meth:`Scheduler.step` runs one batch: a prefill batch while any request has prompt tokens left
-(under ``chunked_prefill_size``), else a decode batch of every running request. Requests are admitted
-first come, first served while a table row and KV pages for prompt plus ``max_new_tokens`` are free.
-The scheduler owns the :class:`~minisgl.kvcache.KVCacheManager` and hands each batch, with its new
-page-table entries, to :meth:`~minisgl.engine.Engine.prepare` and :meth:`~minisgl.engine.Engine.launch`.
-
-Overlap (``EngineConfig.overlap_schedule``): batch N+1 is launched before N's tokens are read (a decode
-step feeds each request the token the engine kept on the device), so host work runs while the device
-computes; a request that stops in N may compute one discarded token in N+1. Requests whose sampling
-reads host-side history (penalties, logprobs) switch the scheduler to lock-step while they run.
-
-Structured output: the grammar is compiled when the request is added (a bad one is refused there) and
-each step fills the bitmask of the batch's constrained rows on the host. N+1's mask needs N's token:
-when both batches have constrained rows, N+1's forward is enqueued first, then N is read (one host
-sync) before the mask is filled, so the forward still overlaps the host's work on N.
+Each :meth:`Scheduler.step` runs a prefill batch while prompt tokens are left (under ``chunked_prefill_size``),
+else a decode batch of every running request. With ``overlap_schedule``, batch N+1 is launched before N's
+tokens are read (decode feeds the token the engine kept on the device), so host work overlaps the device; a
+request that stops in N may compute one discarded token in N+1. Requests whose sampling reads host-side
+history (penalties, logprobs) switch to lock-step while they run. Grammar masks are filled on the host; when
+N and N+1 both have constrained rows, N+1's forward is enqueued first, then N is read before its mask is filled.
 """
 
 from __future__ import annotations
@@ -45,10 +36,7 @@ class TokenEvent:
 
 
 class Scheduler:
-    """Drives an :class:`Engine`: admission, batching, finishing and abort.
-
-    ``tokenizer`` (Hugging Face) is needed for structured output only: without one, a grammar is refused.
-    """
+    """Drives an :class:`Engine`; ``tokenizer`` is needed for structured output only (else grammars are refused)."""
 
     def __init__(
         self,
@@ -80,7 +68,6 @@ class Scheduler:
                 tokenizer, self.vocab_size, self.eos_token_ids, max_rows=cfg.max_running_requests, device=engine.device
             )
 
-    # -------------------------------------------------------------- requests
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
         """Validate and queue a request; :class:`ValidationError` if it can never run."""
         ids = [int(t) for t in input_ids]
@@ -143,22 +130,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
-        """Run one batch; return the events of the batch whose tokens arrived.
-
-        With overlap on, that is the batch launched by the previous call (this one's is then in flight).
-        """
-        if not self.overlap or self._lockstep_reqs > 0:
-            events = self._drain()
-            batch = self._schedule_prefill() or self._schedule_decode()
-            if batch is None:
-                return events
-            return events + self._process(batch, self._launch(batch, lambda: self._mask(batch)))
+        """Run one batch; the events of the batch whose tokens arrived (with overlap, the previous call's)."""
+        lockstep = not self.overlap or self._lockstep_reqs > 0
+        events = self._drain() if lockstep else []
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:
-            return self._drain()
-        events: list[TokenEvent] = []
+            return events if lockstep else self._drain()
+        if lockstep:
+            return events + self._process(batch, self._launch(batch, lambda: self._mask(batch)))
         # The next mask needs the in-flight step's tokens (and its host buffer free again).
         wait = self._inflight is not None and _constrained(self._inflight[0]) and _constrained(batch)
 
@@ -234,9 +214,8 @@ class Scheduler:
         return Batch(reqs, "prefill", sample_mask=[r.device_len == r.prompt_len for r in reqs])
 
     def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
-        """Whether ``req`` stays queued because a request of ``batch`` computes a longer prefix of its prompt
-        than the prefix cache holds: requests sharing a system prompt then compute it once. The queue stays
-        first come, first served (the requests behind ``req`` wait too)."""
+        """Whether ``req`` waits (and so the queue behind it) for a longer prefix of its prompt that ``batch``
+        computes than the prefix cache holds: requests sharing a system prompt compute it once."""
         if not self.kv.cache.reuses_prefixes:
             return False
         limit = req.prompt_len - 1  # the last prompt token is always computed

@@ -1,16 +1,12 @@
 """Tensor parallelism: starting the ranks, and every rank running the same batches in the same order.
 
-Rank 0 runs where the caller is (the offline ``LLM`` or a server's scheduler process). Before each step
-its :class:`ReplicatedScheduler` broadcasts, as one msgpack message, the requests added and aborted since
-the last one, then "step"; the other ranks replay those calls on their own :class:`Scheduler` (:func:`follow`),
-so batches, pages and sampling (same seeds, logits all-gathered) are identical and the collectives line up.
-With ``nnodes`` nodes, node ``k`` starts ranks ``k * per_node .. (k + 1) * per_node - 1``; rank 0's node
-hosts the store at ``dist_init_addr``.
-
-Each rank is a fresh interpreter running ``python -m minisgl.scheduler.tp_rank``: never a fork (CUDA and
-threads do not survive one) nor a multiprocessing spawn (which re-imports the caller's main module, running
-a script without an ``if __name__ == "__main__":`` guard again in every rank). Rank 0 watches those
-processes while the group forms, so a rank that dies first is an error at once, naming the rank.
+Before each step rank 0's :class:`ReplicatedScheduler` broadcasts (one msgpack message) the requests added
+and aborted since the last one; the other ranks replay them on their own :class:`Scheduler` (:func:`follow`),
+so batches, pages and sampling are identical and the collectives line up. Node ``k`` of ``nnodes`` starts
+ranks ``k * per_node ..``; rank 0's node hosts the store at ``dist_init_addr``. Each rank is a fresh
+interpreter (``python -m minisgl.scheduler.tp_rank``): CUDA and threads do not survive a fork, and a
+multiprocessing spawn re-runs a caller's script that lacks a ``__main__`` guard. Rank 0 watches the ranks
+while the group forms, so one that dies first is an error at once, naming it.
 """
 
 from __future__ import annotations
@@ -149,11 +145,12 @@ def build_rank(
     detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
     params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, topo.tp, params / 2**20, cfg.device)
+    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
     # Every rank masks its own (identical) logits, so every rank compiles the grammars too.
-    kwargs = {"eos_token_ids": eos_token_ids(engine.hf_config, tokenizer, engine.source), "detokenize": detok}
+    kwargs: dict[str, Any] = {"eos_token_ids": eos, "detokenize": detok, "tokenizer": tokenizer}
     if rank == 0:
-        return ReplicatedScheduler(engine, control=group.control, tokenizer=tokenizer, **kwargs), group, tokenizer
-    return Scheduler(engine, tokenizer=tokenizer, **kwargs), group, tokenizer
+        return ReplicatedScheduler(engine, control=group.control, **kwargs), group, tokenizer
+    return Scheduler(engine, **kwargs), group, tokenizer
 
 
 def follower_main() -> None:
@@ -212,11 +209,8 @@ class RankProcesses:
         ]
 
     def while_alive(self, wait: Callable[[], T], what: str) -> T:
-        """``wait()`` (run in a helper thread), failing at once when one of the ranks exits meanwhile.
-
-        Joining the group blocks until every rank has connected; a rank that died first (a bad
-        install, an import error) would otherwise surface only at the store's timeout, minutes later.
-        """
+        """``wait()`` (in a helper thread), failing at once when a rank exits meanwhile: joining the group
+        would otherwise surface a rank that died first only at the store's timeout, minutes later."""
         outcome: list[Any] = []
 
         def run() -> None:
@@ -253,11 +247,8 @@ class RankProcesses:
             time.sleep(0.05)
 
     def shutdown(self, scheduler: ReplicatedScheduler, timeout: float = 30.0) -> None:
-        """Stop the ranks: tell them through rank 0 if they are all alive, then make sure they are gone.
-
-        With a rank already dead the stop message cannot be delivered (the collective would fail on
-        the closed connection), so the others are killed instead of masking the original error.
-        """
+        """Stop the ranks: through rank 0 if all are alive (else the collective would fail on a closed
+        connection, masking the original error), then make sure they are gone."""
         try:
             if all(p.is_alive() for p in self.procs):
                 try:
