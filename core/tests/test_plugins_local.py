@@ -102,6 +102,7 @@ def test_listing_says_what_auto_picks_on_a_device() -> None:
     assert listing(["--json", "--device", "cpu"], stdout=out) in (0, 1)
     auto = json.loads(out.getvalue())["auto"]
     assert auto["kv_pool"] == "mha" and auto["attention"] in ("cpu", "torch") and "model" not in auto
+    assert auto["kernels"] in ("native", "torch")
     out = io.StringIO()
     listing(["--device", "cpu"], stdout=out)
     assert out.getvalue().rstrip().splitlines()[-1].startswith("auto on cpu: attention ")
