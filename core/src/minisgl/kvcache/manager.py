@@ -185,8 +185,7 @@ class KVCacheManager:
 
     def _return_slots(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            pages = (slots[:: self.page_size] // self.page_size).tolist()
-            self._free_pages.extend(int(p) for p in pages)
+            self._free_pages.extend((slots[:: self.page_size] // self.page_size).tolist())
 
     def release(self, req: Req) -> None:
         """Return ``req``'s row and pages; its computed prefix goes to the prefix cache."""
@@ -225,14 +224,13 @@ class KVCacheManager:
                 owner[p] = who
 
         claim(list(self._free_pages), "free list")
-        cache_slots = self.cache.all_slots()
-        claim(sorted({int(s) // self.page_size for s in cache_slots.tolist()}), "prefix cache")
+        claim(sorted({int(s) // self.page_size for s in self.cache.all_slots().tolist()}), "prefix cache")
         for req in live:
             if req.table_idx < 0:
                 continue
             state = self._rows[req.table_idx]
             pages = self.table[req.table_idx, state.shared_len : state.alloc_len : self.page_size] // self.page_size
-            claim([int(p) for p in pages.tolist()], f"request {req.rid}")
+            claim(pages.tolist(), f"request {req.rid}")
         self.cache.check_integrity()
         assert len(owner) == self.usable_pages, (
             f"{self.usable_pages - len(owner)} pages leaked: {len(self._free_pages)} free, "

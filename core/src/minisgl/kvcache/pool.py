@@ -9,10 +9,7 @@ from .base import BaseKVPool, KVLayout
 
 
 class MHAKVPool(BaseKVPool):
-    """One K and one V buffer per layer, ``[num_pages, page_size, kv_heads, head_dim]``.
-
-    Both live in a single allocation so the pool is one tensor to size and free.
-    """
+    """One K and one V buffer per layer, ``[num_pages, page_size, kv_heads, head_dim]``, in one allocation."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
