@@ -20,16 +20,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ..utils import VERSION
 from . import hookspecs
-from .specs import (
-    KIND_LABELS,
-    KINDS,
-    SPEC_TYPES,
-    ComponentSpec,
-    Kind,
-    PluginError,
-    PluginWarning,
-    UnknownComponentError,
-)
+from .specs import KIND_LABELS, SPEC_TYPES, ComponentSpec, Kind, PluginError, PluginWarning, UnknownComponentError
 
 ENTRY_POINT_GROUP = "minisgl"
 BUILTIN = "builtin"
@@ -81,7 +72,7 @@ class PluginRegistry:
     def __init__(self) -> None:
         self.plugins: list[PluginInfo] = []
         self.conflicts: list[str] = []
-        self._table: dict[Kind, dict[str, Entry]] = {k: {} for k in KINDS}
+        self._table: dict[Kind, dict[str, Entry]] = {k: {} for k in SPEC_TYPES}
 
     def add(self, spec: ComponentSpec, plugin: PluginInfo, rank: tuple[int, int] = (0, 0)) -> None:
         """Register ``spec``; a clash of names or aliases is a conflict, unless exactly one of the two
