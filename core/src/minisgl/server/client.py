@@ -63,19 +63,18 @@ class ServerGone(RuntimeError):
 
 
 class Sink(Protocol):
-    """Where the outputs of one request go (a :class:`minisgl.server.serving.Job`)."""
+    """Where the outputs of one request go (a :class:`minisgl.server.serving.Job`): new text and the count of
+    completion tokens so far, ``end`` being ``[reason, prompt_tokens, cached]``; a refusal before it ran; the server
+    gone."""
 
     submitted: float  # time.monotonic() when it was sent
     last: float | None  # when its last output arrived
 
-    def on_output(self, text: str, count: int, logprobs: list[Any] | None, end: list[Any] | None) -> None:
-        """New text (and ``count`` completion tokens so far); ``end`` is ``[reason, prompt_tokens, cached]``."""
+    def on_output(self, text: str, count: int, logprobs: list[Any] | None, end: list[Any] | None) -> None: ...
 
-    def on_failed(self, field: str, message: str) -> None:
-        """The request was refused before it ran."""
+    def on_failed(self, field: str, message: str) -> None: ...
 
-    def on_gone(self, reason: str) -> None:
-        """The server can no longer answer."""
+    def on_gone(self, reason: str) -> None: ...
 
 
 class EngineClient:

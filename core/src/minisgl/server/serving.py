@@ -73,10 +73,6 @@ class Job:
     tools: CallStream | None = None  # parses tool calls out of the text (chat with tools)
     calls_sent: int = 0  # tool calls streamed so far
 
-    @property
-    def rid(self) -> int:
-        return self.req.rid
-
     def on_output(self, text: str, count: int, logprobs: list[Any] | None, end: list[Any] | None) -> None:
         self.started = True
         if text:
@@ -204,9 +200,9 @@ class Generation:
             self._watch.cancel()
         for job in self.order:
             if job.finished:
-                self.client.release(job.rid)
+                self.client.release(job.req.rid)
             else:
-                await self.client.abort(job.rid)
+                await self.client.abort(job.req.rid)
 
 
 def _dumps(value: Any) -> str:

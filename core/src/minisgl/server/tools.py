@@ -1,13 +1,9 @@
 """Tool calling: the model's output parsed into OpenAI ``tool_calls``, whole or as it streams.
 
-The parser of the model's call format (:func:`choose_parser` reads it off the chat template): ``hermes`` (Qwen,
-Hermes, SmolLM2, most ChatML models): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (one may
-hold a JSON list), text outside them is content; ``llama3``: the whole reply is ``{"name": ..., "parameters": ...}``,
-maybe after ``<|python_tag|>``, several separated by ``;`` or as a JSON list; ``mistral``: ``[TOOL_CALLS][{...}]``
-(the marker is usually skipped from the text). A call that does not parse, or names a function the request did not
-offer, stays content. With ``tool_choice`` required or named, the request's grammar (:func:`forced_schema`) makes
-the raw output the call, which :class:`ForcedStream` wraps. Every parser is a stream fed text as it arrives; a whole
-reply runs the same stream, so streamed and non-streamed replies agree.
+Formats (:func:`choose_parser` reads it off the chat template): ``hermes`` (``<tool_call>JSON</tool_call>`` blocks
+among content), ``llama3`` and ``mistral`` (the reply is JSON call(s), maybe after a marker). A call that does not
+parse or names a function not offered stays content. With ``tool_choice`` required or named, the request's grammar
+(:func:`forced_schema`) makes the raw output the call. A whole reply runs the same stream as a streamed one.
 """
 
 from __future__ import annotations

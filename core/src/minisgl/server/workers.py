@@ -33,10 +33,6 @@ from ..message import (
     recv_all,
 )
 
-HEARTBEAT_S = 0.5  # seconds between two heartbeats of a worker
-
-Probe = Callable[[], tuple[float, dict[str, Any]]]
-
 
 def pack_args(args: dict[str, Any]) -> bytes:
     return msgpack.packb(args, use_bin_type=True)
@@ -96,7 +92,7 @@ class StatusReporter:
         self._wake = threading.Event()
         self._beat: threading.Thread | None = None
 
-    def start_heartbeat(self, probe: Probe | None = None, interval: float = HEARTBEAT_S) -> None:
+    def start_heartbeat(self, probe: Callable[[], tuple[float, dict[str, Any]]] | None = None, interval: float = 0.5):
         """Send a :class:`Heartbeat` every ``interval`` seconds from a thread of its own, which runs while the main
         thread is inside a long computation (kernels release the GIL) and stops with the process, so a stopped or
         dead worker falls silent. ``probe`` returns ``(busy_for, state)``: how long the current step has run, gauges.
@@ -136,10 +132,6 @@ class StatusReporter:
     def ready(self, **info: Any) -> None:
         self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info)))
 
-    def error(self, exc: BaseException) -> None:
-        detail = "".join(traceback.format_exception(exc))
-        self.sock.send(encode(WorkerStatus(self.worker, "error", error=user_error(exc), detail=detail)))
-
 
 @contextlib.contextmanager
 def worker_process(worker: str, status_address: str) -> Iterator[tuple[zmq.Context, StatusReporter]]:
@@ -153,7 +145,8 @@ def worker_process(worker: str, status_address: str) -> Iterator[tuple[zmq.Conte
     except BaseException as exc:  # every failure must reach the launcher, whatever its type
         code = 1
         try:
-            reporter.error(exc)
+            detail = "".join(traceback.format_exception(exc))
+            reporter.sock.send(encode(WorkerStatus(worker, "error", error=user_error(exc), detail=detail)))
         finally:
             traceback.print_exc(file=sys.stderr)
     finally:
