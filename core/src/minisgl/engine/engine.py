@@ -87,6 +87,8 @@ class Engine:
         self.architecture = archs[0]
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kernels = select_kernels(self.device, self.dtype, config.kernels, self.registry)  # once, for every layer
+        if self.device.type == "cuda" and config.kernels == "auto" and self.kernels.name == "torch":
+            logger.warning("kernels: no GPU kernel set installed, the PyTorch reference runs (slower); see docs/gpu.md")
 
         self._build_components()
         t0 = time.perf_counter()
