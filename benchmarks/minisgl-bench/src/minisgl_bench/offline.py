@@ -312,7 +312,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 disables CUDA graphs")
     p.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
     p.add_argument(
-        "--kernels", choices=("auto", "torch"), default="auto", help="layer kernels (torch = plain PyTorch, ablations)"
+        "--kernels", default="auto", help="kernel set: auto or an installed set's name (torch: plain PyTorch)"
     )
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")

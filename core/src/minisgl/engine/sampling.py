@@ -58,7 +58,7 @@ class Sampler:
                 self._apply_bias(logits, reqs)
             if mask is not None:
                 mask.apply(logits)
-        fused = self.kernels.gumbel_sample  # plain temperature/greedy rows in one pass (Triton)
+        fused = self.kernels.gumbel_sample  # plain temperature/greedy rows in one pass (e.g. the triton kernel set)
         if fused is not None and mask is None and not biased and all(_plain(r.params) for r in reqs):
             inv = [0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs]
             tokens = fused(logits, to_device(inv, torch.float32, logits.device), self._seeds.randrange(1 << 31))

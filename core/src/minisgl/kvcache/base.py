@@ -24,7 +24,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    kernels: KernelSet | None = None  # what ``store_kv`` runs; None: select_kernels(device, dtype, "auto")
+    kernels: KernelSet | None = None  # what ``store_kv`` runs; None: the PyTorch reference KernelSet
 
     @property
     def num_slots(self) -> int:

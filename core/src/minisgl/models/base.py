@@ -27,7 +27,7 @@ class ModelContext:
     tp: TPInfo = TPInfo()
     comm: Communicator = SingleCommunicator()
     moe_backend: BaseMoEBackend | None = None
-    kernels: KernelSet | None = None  # None: select_kernels(device, dtype, "auto")
+    kernels: KernelSet | None = None  # None: the PyTorch reference KernelSet
 
 
 class DecoderLayer(nn.Module):
