@@ -280,7 +280,6 @@ def create_app(
     app.state.server = None
     app.state.draining = False
     app.state.client = client
-    app.state.metrics = metrics
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_bytes=settings.max_request_bytes)
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
