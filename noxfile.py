@@ -39,9 +39,8 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """The core with its built-in plugin only (and its `structured` extra, so test_structured runs)."""
+    """The core with its built-in plugin only."""
     _install_base(session)
-    session.install("xgrammar>=0.2.9")
     _pytest(session, "core/tests")
 
 
@@ -67,7 +66,7 @@ def bench(session: nox.Session) -> None:
 def all_together(session: nox.Session) -> None:
     """Every package installed together; also runs the cross-package tests."""
     _install_base(session)
-    session.install(*SERVER_TEST_DEPS, "xgrammar>=0.2.9")  # structured output and forced tool calls end to end
+    session.install(*SERVER_TEST_DEPS)
     session.install(*[arg for p in PLUGINS for arg in ("-e", f"plugins/minisgl-plugin-{p}")], "-e", BENCH)
     _pytest(session, "core/tests", *[f"plugins/minisgl-plugin-{p}/tests" for p in PLUGINS], f"{BENCH}/tests", "tests")
 

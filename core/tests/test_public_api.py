@@ -22,6 +22,7 @@ PUBLIC: dict[str, set[str] | None] = {
     "minisgl.distributed": None,
     "minisgl.kernel": {"KernelSet", "QKNorm", "rms_norm", "select_kernels"},
     "minisgl.core": {"Batch", "Req", "SamplingParams", "TokenLogprob", "ValidationError"},
+    "minisgl.engine.grammar": {"BaseGrammarBackend", "TokenMask", "error_field"},
 }
 
 

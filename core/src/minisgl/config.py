@@ -48,6 +48,9 @@ class EngineFields(BaseModel):
     kernels: str = Field(
         "auto", description="layer kernel set (e.g. torch, native, triton); auto = best installed for the device"
     )
+    grammar_backend: str = Field(
+        "auto", description="structured-output grammar backend (e.g. xgrammar); auto = best installed"
+    )
     page_size: int = Field(16, ge=1, description="tokens per KV cache page")
     max_running_requests: int | None = Field(
         None, ge=1, description="most requests decoded together; default: 256 on a GPU, 64 on CPU"

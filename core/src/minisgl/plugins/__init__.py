@@ -8,4 +8,4 @@ from .registry import BUILTIN, ENTRY_POINT_GROUP, PluginInfo, PluginRegistry, Pl
 from .registry import core_version, load_plugins
 from .specs import KIND_LABELS, KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
-from .specs import KernelSetSpec, Unsupported, resolve
+from .specs import GrammarBackendSpec, KernelSetSpec, Unsupported, resolve

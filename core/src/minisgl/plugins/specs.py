@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe", "kernels"]
+Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe", "kernels", "grammar"]
 _LAZY_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")  # "pkg.mod:Cls.attr"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")  # names appear in "--attn fa,flashinfer"
 
@@ -163,6 +163,13 @@ class KernelSetSpec(ComponentSpec):
     the factory raises :class:`Unsupported` for a dtype it does not serve (``auto`` then takes the next)."""
 
     kind, noun, hook = "kernels", "kernel set", "minisgl_kernel_sets"
+
+
+class GrammarBackendSpec(ComponentSpec):
+    """Built as ``factory(tokenizer, vocab_size: int, device: torch.device, *, stop_token_ids: Sequence[int],
+    max_rows: int)`` -> ``BaseGrammarBackend`` (``--grammar-backend NAME``), one per scheduler."""
+
+    kind, noun, hook = "grammar", "grammar backend", "minisgl_grammar_backends"
 
 
 SPEC_TYPES: dict[Kind, type[ComponentSpec]] = {t.kind: t for t in ComponentSpec.__subclasses__()}

@@ -1,0 +1,1 @@
+"""Structured output for minisgl through xgrammar: the grammar backend ``xgrammar``."""
