@@ -2,7 +2,7 @@
 
 For batch sizes 1/32/256 with 0%, 50% and 100% of the requests constrained (a JSON schema whose
 string field must run on, so no request ends during the measurement), prints one line per case
-and writes them as JSON. Runs on CPU and CUDA:
+and writes them as JSON. Needs a grammar backend (minisgl-plugin-xgrammar). Runs on CPU and CUDA:
 
     python benchmarks/structured_mask.py --device cuda --out structured_mask.json
 """

@@ -68,6 +68,7 @@ def test_builtin_components() -> None:
     assert reg.names("prefix_cache") == ["naive"]
     assert reg.names("moe") == ["torch"]
     assert reg.names("model") == []
+    assert reg.names("grammar") == []  # structured output comes from a plugin (minisgl-plugin-xgrammar)
     assert reg.active_plugin_names() == ["builtin"]
     assert reg.provider("kv_pool", "mha").distribution == "minisgl"
 

@@ -103,6 +103,7 @@ def test_listing_says_what_auto_picks_on_a_device() -> None:
     auto = json.loads(out.getvalue())["auto"]
     assert auto["kv_pool"] == "mha" and auto["attention"] in ("cpu", "torch") and "model" not in auto
     assert auto["kernels"] in ("native", "torch")
+    assert auto["grammar"] in ("xgrammar", "-")  # "-": no grammar backend installed
     out = io.StringIO()
     listing(["--device", "cpu"], stdout=out)
     assert out.getvalue().rstrip().splitlines()[-1].startswith("auto on cpu: attention ")
