@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 from serverutil import Server, openai_client
 
-pytest.importorskip("xgrammar", reason="structured output needs the 'structured' extra (pip install xgrammar)")
+pytest.importorskip(
+    "minisgl_plugin_xgrammar",
+    reason="structured output needs a grammar backend (plugins/minisgl-plugin-xgrammar)",
+)
 
 MODEL = "smollm2"
 CITY = {

@@ -179,7 +179,7 @@ class Req:
     cache_handle: Any = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     step_seed: int = 0  # sampling step count, mixed into a per-request seed
-    matcher: Any = None  # the grammar matcher of a constrained request (xgrammar), None once finished
+    matcher: Any = None  # the grammar matcher of a constrained request (from the grammar backend), None once finished
 
     @property
     def all_ids(self) -> list[int]:

@@ -57,21 +57,9 @@ def make_grammar_backend(
     None and why grammars are refused. A backend that is not installed raises UnknownComponentError."""
     cfg, registry = engine.config, engine.registry
     if cfg.grammar_backend == "auto" and not registry.names("grammar"):
-        return None, "structured output needs a grammar backend plugin: pip install minisgl-plugin-xgrammar"
+        return None, "structured output needs a grammar backend plugin (the project ships minisgl-plugin-xgrammar)"
     spec = registry.pick("grammar", cfg.grammar_backend, engine.device.type)
     if tokenizer is None:
         return None, "structured output needs a tokenizer; this engine has none"
     vocab, rows = int(engine.hf_config.vocab_size), cfg.max_running_requests
     return spec.build(tokenizer, vocab, engine.device, stop_token_ids=stop_token_ids, max_rows=rows), ""
-
-
-def GrammarBackend(  # noqa: N802 - transitional: goes once the scheduler calls make_grammar_backend
-    tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *, max_rows: int, device: torch.device
-) -> BaseGrammarBackend | None:
-    """The best installed grammar backend (of the environment's plugins), None if there is none."""
-    from ..plugins import load_plugins
-
-    if not (registry := load_plugins()).names("grammar"):
-        return None
-    spec = registry.ranked("grammar", device.type)[0]
-    return spec.build(tokenizer, vocab_size, device, stop_token_ids=stop_token_ids, max_rows=max_rows)  # type: ignore[no-any-return]

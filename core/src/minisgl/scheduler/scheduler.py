@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError, prompt_problem
 from ..engine import Engine, PendingStep, StepInputs
-from ..engine.grammar import GrammarBackend, TokenMask, error_field
+from ..engine.grammar import TokenMask, error_field, make_grammar_backend
 from ..kvcache import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,7 @@ class Scheduler:
         self.overlap = cfg.overlap_schedule
         self._inflight: tuple[Batch, PendingStep] | None = None
         self._lockstep_reqs = 0  # live requests whose sampling reads host-side history
-        self.grammar: GrammarBackend | None = None
-        if tokenizer is not None:
-            self.grammar = GrammarBackend(
-                tokenizer, self.vocab_size, self.eos_token_ids, max_rows=cfg.max_running_requests, device=engine.device
-            )
+        self.grammar, self._no_grammar = make_grammar_backend(engine, tokenizer, self.eos_token_ids)
 
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
         """Validate and queue a request; :class:`ValidationError` if it can never run."""
@@ -97,7 +93,7 @@ class Scheduler:
         if params.grammar is not None:
             kind, text = params.grammar
             if self.grammar is None:
-                raise ValidationError(error_field(kind), "structured output needs a tokenizer; this engine has none")
+                raise ValidationError(error_field(kind), self._no_grammar)
             req.matcher = self.grammar.matcher(self.grammar.compile(kind, text))
         self._by_rid[req.rid] = req
         self.waiting.append(req)

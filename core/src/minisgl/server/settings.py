@@ -182,7 +182,11 @@ def preflight(settings: ServeSettings) -> list[str]:
     target = device.split(":")[0] if device != "auto" else likely_device()
     checks = [("attention", n.strip()) for n in settings.attention_backend.split(",")]
     checks += [("prefix_cache", settings.prefix_cache), ("kv_pool", settings.kv_pool), ("moe", settings.moe_backend)]
+    checks += [("kernels", settings.kernels)]
+    # Structured output is optional: "auto" with no grammar backend installed only refuses grammar requests.
+    checks += [("grammar", settings.grammar_backend)] if settings.grammar_backend != "auto" else []
     flags = {"attention": "--attn", "prefix_cache": "--cache", "kv_pool": "--kv-pool", "moe": "--moe-backend"}
+    flags |= {"kernels": "--kernels", "grammar": "--grammar-backend"}
     for kind, name in checks:
         if not name:
             raise PreflightError(f"--attn: expected NAME or PREFILL,DECODE, got '{settings.attention_backend}'")
