@@ -27,7 +27,7 @@ def test_backends_are_registered_below_flashinfer_and_above_torch(monkeypatch: p
     monkeypatch.setattr(ComponentSpec, "unsupported_reason", lambda self, device: None)
     # (FlashInfer only where its plugin is installed: this package's own session has none.)
     flashinfer = ["flashinfer"] if reg.has("attention", "flashinfer") else []
-    assert [s.name for s in reg.ranked("attention", "cuda")] == [*flashinfer, "fa", "fa2", "fa3", "fa4", "cpu", "torch"]
+    assert [s.name for s in reg.ranked("attention", "cuda")] == [*flashinfer, "fa", "fa2", "fa3", "fa4", "torch"]
 
 
 def test_unsupported_on_cpu_with_the_reason() -> None:
@@ -35,7 +35,7 @@ def test_unsupported_on_cpu_with_the_reason() -> None:
     for name in ("fa", "fa2", "fa3", "fa4"):
         reason = reg.get("attention", name).unsupported_reason("cpu")
         assert reason is not None and "NVIDIA GPUs (CUDA), not on cpu; use --attn torch" in reason
-    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # the built-ins
+    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # the cpu plugin's where installed, else the core's
 
 
 def test_minisgl_plugins_lists_it_as_unsupported_on_cpu_with_the_reason() -> None:

@@ -39,7 +39,7 @@ def test_both_backends_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ComponentSpec, "unsupported_reason", lambda self, device: None)
     # (FlashInfer only where its plugin is installed: this package's own session has none.)
     flashinfer = ["flashinfer"] if reg.has("attention", "flashinfer") else []
-    assert [s.name for s in reg.ranked("attention", "cuda")] == [*flashinfer, "trtllm", "trtllm-xqa", "cpu", "torch"]
+    assert [s.name for s in reg.ranked("attention", "cuda")] == [*flashinfer, "trtllm", "trtllm-xqa", "torch"]
 
 
 def test_entry_and_support_modules_import_neither_torch_nor_flashinfer() -> None:
