@@ -35,7 +35,7 @@ def test_unsupported_on_cpu_with_the_reason() -> None:
     for name in ("fa", "fa2", "fa3", "fa4"):
         reason = reg.get("attention", name).unsupported_reason("cpu")
         assert reason is not None and "NVIDIA GPUs (CUDA), not on cpu; use --attn torch" in reason
-    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # the cpu plugin's where installed, else the core's
+    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # cpu where its plugin is installed
 
 
 def test_minisgl_plugins_lists_it_as_unsupported_on_cpu_with_the_reason() -> None:

@@ -25,7 +25,7 @@ def test_backend_is_registered_with_alias_and_ranked_first(monkeypatch: pytest.M
 def test_not_supported_on_cpu_and_auto_falls_back_to_torch() -> None:
     reg = load_plugins()
     assert not reg.get("attention", "flashinfer").supports("cpu")
-    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # the cpu plugin's where installed, else the core's
+    assert reg.pick("attention", "auto", "cpu").name in ("cpu", "torch")  # cpu where its plugin is installed
     assert "flashinfer" not in reg.supported("attention", "cpu")
 
 
