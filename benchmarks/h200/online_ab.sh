@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Online serving of this tree against earlier trees, one device call, same client: the protocol's online
+# workload at RATES (default: Poisson 32 req/s), each tree's `minisgl serve` launched in turn (this tree first
+# and last). Carry .whl and the trees as .ab-COMMIT (`git archive COMMIT core plugins` unpacked there); TREES
+# names their commits. Results: $OUT/online-ab-LABEL-N.json.
+set -uo pipefail
+export LIMIT=${LIMIT:-560}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source benchmarks/h200/setup.sh
+RATES=${RATES:-32}
+serve="python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning"
+run() {  # LABEL ENV...: one sweep against a server launched with that environment
+  local label=$1; shift
+  step 150 python3 -m minisgl bench serve --tokenizer .peer/model --rate $RATES --warmup 16 --no-progress \
+    --output "$OUT" --label "online-ab-$label" --base-url http://127.0.0.1:30000 --launch-timeout 120 \
+    --launch "env $* $serve"
+}
+run "${MINISGL_COMMIT:-new}-1" MINISGL_COMMIT=${MINISGL_COMMIT:-new}
+for c in $TREES; do
+  site=/tmp/site-$c path=/tmp/site-$c:/tmp/site:$PWD/.ab-$c/core/src
+  for src in .ab-$c/plugins/minisgl-plugin-*/src; do path=$path:$PWD/$src; done
+  python3 - .ab-$c "$site" <<'PY'
+import pathlib, sys, tomllib
+base, site = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+for pyproject in [base / "core/pyproject.toml", *sorted((base / "plugins").glob("*/pyproject.toml"))]:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    name, version = project["name"], project["version"]
+    requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
+    entries = project.get("entry-points", {}).get("minisgl", {})
+    d = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
+    (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
+PY
+  new_only=$(for p in plugins/minisgl-plugin-*; do [ -d ".ab-$c/$p" ] || basename "$p" | sed 's/^minisgl-plugin-//'; done | paste -sd,)
+  run "$c" PYTHONPATH=$path MINISGL_DISABLE_PLUGINS=$new_only MINISGL_COMMIT=$c
+done
+run "${MINISGL_COMMIT:-new}-2" MINISGL_COMMIT=${MINISGL_COMMIT:-new}
+echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
