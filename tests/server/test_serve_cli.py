@@ -154,7 +154,7 @@ def test_likely_device_reads_the_torch_build_and_the_driver(tmp_path: Path, monk
     """``--device auto`` is resolved for the preflight checks without importing torch."""
     import importlib.util
 
-    from minisgl.server import settings as engine_build
+    from minisgl.server import settings as serve_settings
 
     pkg = tmp_path / "torch"
     pkg.mkdir()
@@ -163,18 +163,18 @@ def test_likely_device_reads_the_torch_build_and_the_driver(tmp_path: Path, monk
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     (pkg / "version.py").write_text("cuda: Optional[str] = None\n")
-    assert engine_build.likely_device() == "cpu"
+    assert serve_settings.likely_device() == "cpu"
     (pkg / "version.py").write_text("__version__ = '2.11.0'\ncuda: Optional[str] = '13.0'\n")
     from minisgl.plugins import devices
 
     monkeypatch.setattr(devices, "nvml_capabilities", lambda: None)
-    assert engine_build.likely_device() is None  # a CUDA build and no driver to ask: unsure
+    assert serve_settings.likely_device() is None  # a CUDA build and no driver to ask: unsure
     monkeypatch.setattr(devices, "nvml_capabilities", lambda: [])
-    assert engine_build.likely_device() == "cpu"  # the driver knows no GPU
+    assert serve_settings.likely_device() == "cpu"  # the driver knows no GPU
     monkeypatch.setattr(devices, "nvml_capabilities", lambda: [(9, 0)])
-    assert engine_build.likely_device() == "cuda"
+    assert serve_settings.likely_device() == "cuda"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert engine_build.likely_device() == "cpu"
+    assert serve_settings.likely_device() == "cpu"
 
 
 def test_a_backend_that_cannot_run_here_fails_before_any_worker_starts(tmp_path: Path) -> None:
