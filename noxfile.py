@@ -90,6 +90,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
+    """mypy over the core, with pytest installed: the testing kit's fixtures are typed against it."""
     session.install(TORCH)
-    session.install("mypy>=1.10", "-e", "core")
+    session.install("mypy>=1.10", "pytest>=8", "-e", "core")
     session.run("mypy")
