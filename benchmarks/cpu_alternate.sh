@@ -4,7 +4,8 @@
 # tree and its plugins installed editable). BASE is an unpacked `git archive COMMIT core plugins`; it runs
 # from PYTHONPATH with dist-info metadata of its own, ahead of this tree's, and with this tree's plugins
 # that the baseline does not have blocked (MINISGL_DISABLE_PLUGINS).
-# Usage: benchmarks/cpu_alternate.sh BASE OUT [ROUNDS]   (results: OUT/offline-cpu-{base,new}-N.json)
+# Usage: [BASE_COMMIT=SHA MINISGL_COMMIT=SHA] benchmarks/cpu_alternate.sh BASE OUT [ROUNDS]
+# (results: OUT/offline-cpu-{base,new}-N.json; the two variables name the trees in them)
 set -euo pipefail
 BASE=${1:?baseline tree}; OUT=${2:?output folder}; ROUNDS=${3:-8}
 mkdir -p "$OUT"
@@ -28,7 +29,7 @@ for src in "$BASE"/plugins/minisgl-plugin-*/src; do BASE_PATH=$BASE_PATH:$PWD/$s
 # This tree's plugins the baseline does not ship (their entry names), kept out of the baseline's runs.
 NEW_ONLY=$(for p in plugins/minisgl-plugin-*; do [ -d "$BASE/$p" ] || basename "$p" | sed 's/^minisgl-plugin-//'; done | paste -sd,)
 for round in $(seq 1 "$ROUNDS"); do
-  PYTHONPATH=$BASE_PATH MINISGL_DISABLE_PLUGINS=$NEW_ONLY \
+  PYTHONPATH=$BASE_PATH MINISGL_DISABLE_PLUGINS=$NEW_ONLY MINISGL_COMMIT=${BASE_COMMIT:-base} \
     python3 -m minisgl bench offline --workload cpu --no-baseline --output "$OUT" --label "offline-cpu-base-$round"
   python3 -m minisgl bench offline --workload cpu --no-baseline --output "$OUT" --label "offline-cpu-new-$round"
 done
