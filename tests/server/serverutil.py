@@ -17,6 +17,16 @@ import pytest
 
 from minisgl.testing.models import smollm2_gguf
 
+# A function tool the API tests offer (OpenAI's request shape).
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
 
 def smollm2_dir() -> Path:
     """The HF-format directory converted from the SmolLM2 GGUF (skips the test when the wheel is missing)."""

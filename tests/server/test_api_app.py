@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from serverutil import TOOL
 from transformers import AutoTokenizer
 
 from minisgl.message import GenerateReq
@@ -144,14 +145,6 @@ def test_unknown_argument_is_refused_like_openai(api: tuple[TestClient, list[Gen
     assert "messages[0].colour" in error_of(resp, 400, "messages[0].colour")
 
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 HERMES = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 

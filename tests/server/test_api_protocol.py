@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError as PydanticError
+from serverutil import TOOL
 
 from minisgl.core import ValidationError
 from minisgl.server.protocol import (
@@ -19,14 +20,6 @@ from minisgl.server.protocol import (
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 JSON = {"type": "json_object"}
 
 # The request fields of OpenAI's API reference (chat completions and legacy completions).
