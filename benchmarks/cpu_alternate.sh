@@ -11,23 +11,11 @@ BASE=${1:?baseline tree}; OUT=${2:?output folder}; ROUNDS=${3:-8}
 mkdir -p "$OUT"
 SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
-python3 - "$BASE" "$SITE" <<'PY'
-import pathlib, sys, tomllib
-base, site = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-for pyproject in [base / "core/pyproject.toml", *sorted((base / "plugins").glob("*/pyproject.toml"))]:
-    project = tomllib.loads(pyproject.read_text())["project"]
-    name, version = project["name"], project["version"]
-    requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
-    entries = project.get("entry-points", {}).get("minisgl", {})
-    d = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    d.mkdir(parents=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
-    (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
-PY
+python3 benchmarks/dist_info.py "$BASE" "$SITE"
 BASE_PATH=$SITE:$PWD/$BASE/core/src
 for src in "$BASE"/plugins/minisgl-plugin-*/src; do BASE_PATH=$BASE_PATH:$PWD/$src; done
 # This tree's plugins the baseline does not ship (their entry names), kept out of the baseline's runs.
-NEW_ONLY=$(for p in plugins/minisgl-plugin-*; do [ -d "$BASE/$p" ] || basename "$p" | sed 's/^minisgl-plugin-//'; done | paste -sd,)
+NEW_ONLY=$(python3 benchmarks/dist_info.py --new-only "$BASE")
 for round in $(seq 1 "$ROUNDS"); do
   PYTHONPATH=$BASE_PATH MINISGL_DISABLE_PLUGINS=$NEW_ONLY MINISGL_COMMIT=${BASE_COMMIT:-base} \
     python3 -m minisgl bench offline --workload cpu --no-baseline --output "$OUT" --label "offline-cpu-base-$round"

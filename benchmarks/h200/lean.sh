@@ -27,20 +27,9 @@ fi
 NEW_PATH=$PYTHONPATH
 BASE_PATH=/tmp/site-base:/tmp/site:$PWD/.base/core/src
 for src in .base/plugins/minisgl-plugin-*/src; do BASE_PATH=$BASE_PATH:$PWD/$src; done
-python3 - <<'PY'
-import pathlib, tomllib
-for pyproject in [pathlib.Path(".base/core/pyproject.toml"), *sorted(pathlib.Path(".base/plugins").glob("*/pyproject.toml"))]:
-    project = tomllib.loads(pyproject.read_text())["project"]
-    name, version = project["name"], project["version"]
-    requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
-    entries = project.get("entry-points", {}).get("minisgl", {})
-    d = pathlib.Path(f"/tmp/site-base/{name.replace('-', '_')}-{version}.dist-info")
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
-    (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
-PY
+python3 benchmarks/dist_info.py .base /tmp/site-base
 # This tree's plugins the baseline does not ship (their entry names), kept out of the baseline's runs.
-NEW_ONLY=$(for p in plugins/minisgl-plugin-*; do [ -d ".base/$p" ] || basename "$p" | sed 's/^minisgl-plugin-//'; done | paste -sd,)
+NEW_ONLY=$(python3 benchmarks/dist_info.py --new-only .base)
 for round in 1 2; do
   PYTHONPATH=$BASE_PATH MINISGL_COMMIT=${BASE_COMMIT:-base} MINISGL_DISABLE_PLUGINS=$NEW_ONLY \
     step 110 python3 -m minisgl bench offline --output "$OUT" --label "offline-base-$round"

@@ -20,20 +20,8 @@ run "${MINISGL_COMMIT:-new}-1" MINISGL_COMMIT=${MINISGL_COMMIT:-new}
 for c in $TREES; do
   site=/tmp/site-$c path=/tmp/site-$c:/tmp/site:$PWD/.ab-$c/core/src
   for src in .ab-$c/plugins/minisgl-plugin-*/src; do path=$path:$PWD/$src; done
-  python3 - .ab-$c "$site" <<'PY'
-import pathlib, sys, tomllib
-base, site = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-for pyproject in [base / "core/pyproject.toml", *sorted((base / "plugins").glob("*/pyproject.toml"))]:
-    project = tomllib.loads(pyproject.read_text())["project"]
-    name, version = project["name"], project["version"]
-    requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
-    entries = project.get("entry-points", {}).get("minisgl", {})
-    d = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
-    (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
-PY
-  new_only=$(for p in plugins/minisgl-plugin-*; do [ -d ".ab-$c/$p" ] || basename "$p" | sed 's/^minisgl-plugin-//'; done | paste -sd,)
+  python3 benchmarks/dist_info.py .ab-$c "$site"
+  new_only=$(python3 benchmarks/dist_info.py --new-only .ab-$c)
   run "$c" PYTHONPATH=$path MINISGL_DISABLE_PLUGINS=$new_only MINISGL_COMMIT=$c
 done
 run "${MINISGL_COMMIT:-new}-2" MINISGL_COMMIT=${MINISGL_COMMIT:-new}

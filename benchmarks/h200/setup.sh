@@ -10,19 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 # name, version, its requirement on minisgl and its [project.entry-points.minisgl] (from its pyproject.toml).
 export PYTHONPATH=/tmp/site:$PWD/core/src:$PWD/benchmarks/minisgl-bench/src:$PWD/tests
 for src in plugins/minisgl-plugin-*/src; do PYTHONPATH=$PYTHONPATH:$PWD/$src; done
-python3 - <<'PY' || exit 1
-import pathlib, tomllib
-plugins = sorted(pathlib.Path("plugins").glob("minisgl-plugin-*/pyproject.toml"))
-for pyproject in [pathlib.Path("core/pyproject.toml"), *plugins, pathlib.Path("benchmarks/minisgl-bench/pyproject.toml")]:
-    project = tomllib.loads(pyproject.read_text())["project"]
-    name, version = project["name"], project["version"]
-    requires = "".join(f"Requires-Dist: {r}\n" for r in project.get("dependencies", []) if r.startswith("minisgl"))
-    entries = project.get("entry-points", {}).get("minisgl", {})
-    d = pathlib.Path(f"/tmp/site/{name.replace('-', '_')}-{version}.dist-info")
-    d.mkdir(exist_ok=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}")
-    (d / "entry_points.txt").write_text("[minisgl]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
-PY
+python3 benchmarks/dist_info.py . /tmp/site || exit 1
 LIMIT=${LIMIT:-560}
 # Each step gets at most its own limit and never runs past the call's overall LIMIT (seconds).
 step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] && { echo "=== skipped: $*" | tee -a $OUT/log.txt; return; }
