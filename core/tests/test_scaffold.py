@@ -34,7 +34,8 @@ def test_generated_plugin_lists_and_passes_its_tests(tmp_path: Path, kind: str) 
     )
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.startswith(project["name"]))
-    assert "active" in row and name in row
+    provided = "Phi3ForCausalLM" if kind == "model" else name
+    assert row.split()[2:] == [name, "active", f"{kind.replace('-', '_')}:", provided]
     # Its tests, as generated, against the kit.
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(root / "tests")],

@@ -7,6 +7,7 @@ and the command line stay fast to import.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from .utils import VERSION as __version__
@@ -16,15 +17,10 @@ if TYPE_CHECKING:
     from .llm import LLM, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+_LAZY = {"LLM": ".llm", "RequestOutput": ".llm", "SamplingParams": ".core"}  # the module each comes from
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SamplingParams":
-        from .core import SamplingParams
-
-        return SamplingParams
-    if name in ("LLM", "RequestOutput"):
-        from . import llm
-
-        return getattr(llm, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'minisgl' has no attribute {name!r}")

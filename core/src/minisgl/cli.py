@@ -8,6 +8,8 @@ import importlib
 import os
 import sys
 
+from .utils import VERSION
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("minisgl.server.cli", "start the OpenAI-compatible API server"),
     "chat": ("minisgl.server.chat", "chat with a model in the terminal"),
@@ -15,8 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plugin": ("minisgl.scaffold", "create a plugin package: minisgl plugin new NAME --kind KIND"),
     "bench": ("minisgl_bench.cli", "run a benchmark (offline throughput, serving); needs minisgl-bench"),
 }
-# Subcommands of another distribution: (its top-level module, its name, its path in the source tree).
-SEPARATE: dict[str, tuple[str, str, str]] = {"bench": ("minisgl_bench", "minisgl-bench", "benchmarks/minisgl-bench")}
+# Subcommands of another distribution: (its name, its path in the source tree).
+SEPARATE: dict[str, tuple[str, str]] = {"bench": ("minisgl-bench", "benchmarks/minisgl-bench")}
 
 
 def _usage() -> str:
@@ -31,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] in ("-V", "--version"):
-        from .utils import VERSION
-
         print(f"minisgl {VERSION}")
         return 0
     entry = SUBCOMMANDS.get(args[0])
@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(entry[0])
     except ModuleNotFoundError as exc:
         separate = SEPARATE.get(args[0])
-        if separate is None or exc.name not in (separate[0], entry[0]):
+        if separate is None or exc.name not in (entry[0].split(".")[0], entry[0]):
             raise
         print(
-            f"minisgl {args[0]}: this command is the separate package {separate[1]}, which is not installed.\n"
-            f"Install it from the minisgl source tree: pip install ./{separate[2]}",
+            f"minisgl {args[0]}: this command is the separate package {separate[0]}, which is not installed.\n"
+            f"Install it from the minisgl source tree: pip install ./{separate[1]}",
             file=sys.stderr,
         )
         return 2

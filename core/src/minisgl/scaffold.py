@@ -1,5 +1,6 @@
 """``minisgl plugin new NAME --kind KIND``: a plugin package that installs, lists and passes its tests as
-generated, from ``minisgl/templates/plugin/`` (``common/`` plus one folder per kind)."""
+generated, from ``minisgl/templates/plugin/``: ``common/``, and per kind the entry module ``plugin.py``,
+the component's module and ``test.py``."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ from pathlib import Path
 
 from .utils import VERSION
 
-# What each kind's generated test needs besides pytest (the kits' own imports).
-KINDS: dict[str, dict[str, str]] = {
-    "attention": {"component": "backend", "suffix": "AttnBackend", "test_extra": '"pytest>=8"'},
-    "prefix-cache": {"component": "cache", "suffix": "PrefixCache", "test_extra": '"pytest>=8", "hypothesis>=6.100"'},
-    "moe": {"component": "backend", "suffix": "MoEBackend", "test_extra": '"pytest>=8"'},
-    "model": {"component": "model", "suffix": "", "test_extra": '"pytest>=8"'},
+# Per kind: the suffix of the component's class name, and what its test needs besides pytest (the kit's imports).
+KINDS: dict[str, tuple[str, str]] = {
+    "attention": ("AttnBackend", ""),
+    "prefix-cache": ("PrefixCache", "hypothesis>=6.100"),
+    "moe": ("MoEBackend", ""),
+    "kernels": ("Kernels", ""),
+    "grammar": ("GrammarBackend", "tokenizers>=0.19"),
+    "model": ("", ""),
 }
 USAGE = {
     "attention": 'Use it with `minisgl serve --attn {name}` or `LLM(..., attention_backend="{name}")`.',
     "prefix-cache": 'Use it with `minisgl serve --cache {name}` or `LLM(..., prefix_cache="{name}")`.',
     "moe": 'Use it with `minisgl serve --moe-backend {name}` (MoE models) or `LLM(..., moe_backend="{name}")`.',
+    "kernels": 'Use it with `minisgl serve --kernels {name}` or `LLM(..., kernels="{name}")`.',
+    "grammar": 'Use it with `minisgl serve --grammar-backend {name}` or `LLM(..., grammar_backend="{name}")`.',
     "model": "Checkpoints whose config.json names `{architecture}` load with it: `minisgl serve --model PATH`.",
 }
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -44,33 +49,29 @@ def create(name: str, kind: str, parent: Path, description: str = "", architectu
             "a model plugin needs --architecture, the Hugging Face class name (e.g. Phi3ForCausalLM), "
             f"got {architecture!r}"
         )
-    spec = KINDS[kind]
-    dist = f"minisgl-plugin-{name.replace('_', '-')}"
-    module = f"minisgl_plugin_{name}"
+    dist, module = f"minisgl-plugin-{name.replace('_', '-')}", f"minisgl_plugin_{name}"
     root = parent / dist
     if root.exists():
         raise ScaffoldError(f"{root} already exists; choose another name or folder")
+    suffix, test_needs = KINDS[kind]
     major, minor = (int(p) for p in VERSION.split(".")[:2])
     values = {
         "name": name,
         "dist": dist,
         "module": module,
-        "cls": architecture if kind == "model" else "".join(p.capitalize() for p in name.split("_")) + spec["suffix"],
+        "cls": architecture if kind == "model" else "".join(p.capitalize() for p in name.split("_")) + suffix,
         "architecture": architecture,
         "description": description or f"the {kind} component '{name}'",
-        "test_extra": spec["test_extra"],
+        "test_extra": ", ".join(f'"{r}"' for r in ("pytest>=8", test_needs) if r),
         "api_min": f"{major}.{minor}",
         "api_next": f"{major}.{minor + 1}",
         "usage": USAGE[kind].format(name=name, architecture=architecture),
     }
-    common, own = (resources.files("minisgl") / "templates" / "plugin" / d for d in ("common", kind))
-    files = {
-        "pyproject.toml": common / "pyproject.toml.tmpl",
-        "README.md": common / "README.md.tmpl",
-        f"src/{module}/plugin.py": own / "plugin.py.tmpl",
-        f"src/{module}/{spec['component']}.py": own / f"{spec['component']}.py.tmpl",
-        f"tests/test_{name}.py": own / "test.py.tmpl",
-    }
+    templates = resources.files("minisgl") / "templates" / "plugin"
+    files = {t.name.removesuffix(".tmpl"): t for t in (templates / "common").iterdir()}  # pyproject.toml, README.md
+    for template in (templates / kind).iterdir():  # plugin.py, test.py and the component's module
+        stem = template.name.removesuffix(".py.tmpl")
+        files[f"tests/test_{name}.py" if stem == "test" else f"src/{module}/{stem}.py"] = template
     for rel, template in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(string.Template(template.read_text()).substitute(values))

@@ -6,6 +6,6 @@ from .devices import cuda_capabilities
 from .hookspecs import HOOKS, hookimpl, hookspec
 from .registry import BUILTIN, ENTRY_POINT_GROUP, PluginInfo, PluginRegistry, PluginSource, check_compatible
 from .registry import core_version, load_plugins
-from .specs import KIND_LABELS, KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
+from .specs import KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
 from .specs import GrammarBackendSpec, KernelSetSpec, Unsupported, resolve

@@ -103,8 +103,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
             print(f"minisgl plugins: error: {exc}", file=err)
             return 2
     messages = [str(w.message) for w in caught]
-    skipped = [p for p in registry.plugins if p.status in ("failed", "incompatible")]
-    skipped = skipped if _flag(os.environ.get(ENV_STRICT)) else []
+    strict = _flag(os.environ.get(ENV_STRICT))
+    skipped = [p for p in registry.plugins if strict and p.status in ("failed", "incompatible")]
     if args.json:
         print(json.dumps(to_json(registry, messages, args.device), indent=2), file=out)
     else:

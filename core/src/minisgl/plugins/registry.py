@@ -20,7 +20,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ..utils import VERSION
 from . import hookspecs
-from .specs import KIND_LABELS, SPEC_TYPES, ComponentSpec, Kind, PluginError, PluginWarning, UnknownComponentError
+from .specs import SPEC_TYPES, ComponentSpec, Kind, PluginError, PluginWarning, UnknownComponentError
 
 ENTRY_POINT_GROUP = "minisgl"
 BUILTIN = "builtin"
@@ -74,12 +74,12 @@ class PluginRegistry:
         self.conflicts: list[str] = []
         self._table: dict[Kind, dict[str, Entry]] = {k: {} for k in SPEC_TYPES}
 
-    def add(self, spec: ComponentSpec, plugin: PluginInfo, rank: tuple[int, int] = (0, 0)) -> None:
+    def add(self, spec: ComponentSpec, plugin: PluginInfo, rank: tuple[int, int]) -> None:
         """Register ``spec``; a clash of names or aliases is a conflict, unless exactly one of the two
         specs sets ``override=True``: that one wins, with a warning."""
         table, names, new = self._table[spec.kind], {spec.name, *spec.aliases}, Entry(spec, plugin, rank)
         for old in [e for e in table.values() if names & {e.spec.name, *e.spec.aliases}]:
-            what = f"{KIND_LABELS[spec.kind]} '{min(names & {old.spec.name, *old.spec.aliases})}'"
+            what = f"{spec.noun} '{min(names & {old.spec.name, *old.spec.aliases})}'"
             if old.plugin is plugin:
                 self.conflicts.append(f"{plugin.who} declares {what} twice; give each spec a distinct name and aliases")
                 return
@@ -105,7 +105,7 @@ class PluginRegistry:
     def _entry(self, kind: Kind, name: str) -> Entry:
         if entry := self._find(kind, name):
             return entry
-        msg = f"unknown {KIND_LABELS[kind]} '{name}'; installed: {self._installed(kind)}."
+        msg = f"unknown {SPEC_TYPES[kind].noun} '{name}'; installed: {self._installed(kind)}."
         known = [n for e in self._table[kind].values() for n in (e.spec.name, *e.spec.aliases)]
         # Architectures share their suffix ("...ForCausalLM"): compare what precedes it, or every name looks close.
         stem = (lambda n: n.split("For", 1)[0]) if kind == "model" else (lambda n: n)
@@ -154,7 +154,7 @@ class PluginRegistry:
         if (reason := spec.unsupported_reason(device)) is not None:
             raise UnknownComponentError(
                 f"{spec.label} does not support device '{device}'{f' ({reason})' if reason else ''}; "
-                f"{KIND_LABELS[kind]}s that do: {', '.join(self.supported(kind, device)) or 'none'}"
+                f"{spec.noun}s that do: {', '.join(self.supported(kind, device)) or 'none'}"
             )
         return spec
 
@@ -165,7 +165,7 @@ class PluginRegistry:
         if found := [e.spec for e in entries if e.spec.supports(device)]:
             return found
         raise UnknownComponentError(
-            f"no installed {KIND_LABELS[kind]} supports device '{device}'; installed: {self._installed(kind)}"
+            f"no installed {SPEC_TYPES[kind].noun} supports device '{device}'; installed: {self._installed(kind)}"
         )
 
 
@@ -296,17 +296,15 @@ def _load(
     """Import (through pluggy for installed ones), register and call one plugin: a failure drops it alone."""
     stage, found = f" failed to import '{info.module}'", []
     try:
-        if src.dist is not None:
-            if not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):
-                raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
-            stage = " is not a valid minisgl plugin"
-        else:
+        if src.dist is None:
             plugin = src.module
             if isinstance(plugin, str):
                 plugin = _import_file(plugin) if plugin.endswith(".py") else importlib.import_module(plugin)
             stage = " is not a valid minisgl plugin"
             pm.register(plugin, name=src.name)
-        plugin = pm.get_plugin(src.name)
+        elif not pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=src.name):  # imports and registers it
+            raise LookupError(f"pluggy found no entry point '{src.name}' in the group '{ENTRY_POINT_GROUP}'")
+        stage, plugin = " is not a valid minisgl plugin", pm.get_plugin(src.name)
         if typos := [c.name for c in pm.get_hookcallers(plugin) or [] if c.spec is None]:
             close = difflib.get_close_matches(typos[0], hookspecs.HOOKS.values(), n=1)
             raise PluginError(

@@ -1,8 +1,5 @@
-"""What plugins return from their hooks (frozen spec dataclasses), and the plugin layer's errors.
-
-A factory or support check may be a lazy ``"pkg.mod:attr"`` string, imported only when used, so an
-entry module never imports kernel libraries.
-"""
+"""What plugins return from their hooks (frozen spec dataclasses), and the plugin layer's errors. A factory or
+support check may be a lazy ``"pkg.mod:attr"`` string, imported only when used: entry modules import no kernels."""
 
 from __future__ import annotations
 
@@ -174,4 +171,3 @@ class GrammarBackendSpec(ComponentSpec):
 
 SPEC_TYPES: dict[Kind, type[ComponentSpec]] = {t.kind: t for t in ComponentSpec.__subclasses__()}
 KINDS: tuple[Kind, ...] = tuple(SPEC_TYPES)
-KIND_LABELS: dict[Kind, str] = {kind: t.noun for kind, t in SPEC_TYPES.items()}
