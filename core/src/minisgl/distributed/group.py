@@ -1,9 +1,7 @@
-"""Joining a tensor-parallel group without touching torch.distributed's global state.
-
-Each rank builds its own process groups from a TCP store (no ``init_process_group``), so a group belongs
-to the engine that made it and several groups in one process do not interfere: one for tensors (NCCL on
-CUDA, gloo on CPU) and a gloo one for rank 0's control messages (:class:`ControlChannel`).
-"""
+"""Joining a tensor-parallel group without touching torch.distributed's global state: each rank builds its own
+process groups from a TCP store (no ``init_process_group``), so a group belongs to the engine that made it and
+several groups in one process do not interfere: one for tensors (NCCL on CUDA, gloo on CPU) and a gloo one for
+rank 0's control messages (:class:`ControlChannel`)."""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ControlChannel:
     """Rank 0 broadcasts byte messages (msgpack) to every other rank, in order."""
 
-    def __init__(self, pg: Any, rank: int):
+    def __init__(self, pg: Any):
         self.pg = pg
-        self.rank = rank
 
     def broadcast(self, payload: bytes | None = None) -> bytes:
         """Rank 0 passes ``payload``; every rank returns it."""
@@ -85,4 +82,4 @@ def join_group(
     else:
         pg = dist.ProcessGroupGloo(tensors, rank, world_size, timeout)
     comm = TorchDistCommunicator(pg, world_size)
-    return TPGroup(TPInfo(rank, world_size), comm, ControlChannel(ctrl, rank), store)
+    return TPGroup(TPInfo(rank, world_size), comm, ControlChannel(ctrl), store)

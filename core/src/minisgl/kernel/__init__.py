@@ -1,9 +1,7 @@
 """The kernels the layers call: :class:`KernelSet` is the plain PyTorch reference (the kernel set ``torch``).
-
-Faster sets come from plugins (the ``kernels`` component kind): a subclass replaces the ops it has
-kernels for and takes this PyTorch path for inputs its kernels do not handle, so a layer's forward
-is one call. :func:`select_kernels` chooses one per engine.
-"""
+Faster sets come from plugins (the ``kernels`` component kind): a subclass replaces the ops it has kernels for
+and takes this PyTorch path for inputs its kernels do not handle, so a layer's forward is one call.
+:func:`select_kernels` chooses one per engine."""
 
 from __future__ import annotations
 
@@ -53,10 +51,8 @@ class KernelSet:
         """``F.linear``; on CPU float32 MKL's GEMM is slow for few rows of ``x`` (1.2-2.8x on AMD EPYC),
         so at 2-256 rows the weight is the left operand. Below 16 rows ``x`` and the result are made
         row-major (a column-major one slows this GEMM 2-3x and every row-wise op after it)."""
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            return F.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not weight_major(rows):
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not weight_major(rows):
             return F.linear(x, weight, bias)
         x2 = x.reshape(rows, x.shape[-1])
         if rows < 16:

@@ -38,8 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         self.kernels = kernels or select_kernels(device, self.weight.dtype)  # the LM head's GEMM
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        end = min(self.vocab_start + self.local_vocab, loaded.shape[0])
-        part = loaded[self.vocab_start : end]
+        part = loaded[self.vocab_start : self.vocab_start + self.local_vocab]  # the last rank's may be short
         param.data[: part.shape[0]].copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

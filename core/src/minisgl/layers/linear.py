@@ -1,10 +1,7 @@
-"""Tensor-parallel linear layers.
-
-Every parameter carries ``weight_loader(param, tensor, shard_id=None)``, which copies this rank's slice of
-a full checkpoint tensor, so model files never deal with sharding. ``shard_id`` picks a part of a fused
-weight ("q"/"k"/"v", or a merged block's index); without one, a fused weight loads from one tensor holding
-every part in order (``[q; k; v]``, ``[gate; up]``, as Phi-3 stores them).
-"""
+"""Tensor-parallel linear layers. Each parameter's ``weight_loader(param, tensor, shard_id=None)`` copies this
+rank's slice of a full checkpoint tensor, so model files never deal with sharding. ``shard_id`` picks a part of a
+fused weight ("q"/"k"/"v", or a merged block's index); without one, a fused weight loads from one tensor holding
+every part in order (``[q; k; v]``, ``[gate; up]``, as Phi-3 stores them)."""
 
 from __future__ import annotations
 
@@ -18,10 +15,8 @@ from torch import nn
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet, select_kernels
 
-WeightLoader = Callable[..., None]
 
-
-def set_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+def set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
@@ -129,11 +124,9 @@ class QKVParallelLinear(LinearBase):
         if num_kv_heads >= tp.size:
             self.local_kv_heads = tp.shard(num_kv_heads, "number of KV heads")
             self.kv_head_start = tp.rank * self.local_kv_heads
+        elif tp.size % num_kv_heads:
+            raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of the KV head count {num_kv_heads}")
         else:
-            if tp.size % num_kv_heads:
-                raise ValueError(
-                    f"tensor-parallel size {tp.size} is not a multiple of the KV head count {num_kv_heads}"
-                )
             self.local_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         q, kv = self.local_heads * head_dim, self.local_kv_heads * head_dim
@@ -168,7 +161,7 @@ class RowParallelLinear(LinearBase):
     ):
         self.tp = tp
         self.comm = comm or SingleCommunicator()
-        self._fp32_mm_ok: bool | None = None  # probed on first use
+        self._fp32_mm_ok = True  # until this torch build turns out to lack mm's out_dtype
         super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, **kw)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -179,27 +172,20 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.kernels.linear(x, self.weight, self.bias)
-        w = self.weight
-        partial = self._partial_fp32(x) if w.dtype in (torch.bfloat16, torch.float16) and w.is_cuda else None
-        if partial is not None:
-            # Partial sums stay float32 through the all-reduce and are rounded once, as a
-            # single-rank product is: bf16 results then match tp=1 far more closely.
-            y = self.comm.all_reduce(partial).to(x.dtype)
-        else:
-            y = self.comm.all_reduce(F.linear(x, w))
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        y = self._all_reduce_fp32(x)
+        if y is None:
+            y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
-    def _partial_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x @ weight.T`` accumulated and returned in float32 (``mm`` with ``out_dtype``; CUDA only)."""
-        if self._fp32_mm_ok is False:
+    def _all_reduce_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The summed ``x @ weight.T`` with float32 partial sums, rounded once as a single-rank product is (bf16
+        results then match tp=1 far more closely); None where ``mm``'s ``out_dtype`` is unavailable."""
+        w = self.weight
+        if not (self._fp32_mm_ok and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16)):
             return None
-        x2 = x.reshape(-1, x.shape[-1])
         try:
-            y = torch.mm(x2, self.weight.t(), out_dtype=torch.float32)
+            y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
             self._fp32_mm_ok = False  # this torch build lacks it: reduce in the activation dtype
             return None
-        self._fp32_mm_ok = True
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return self.comm.all_reduce(y.view(*x.shape[:-1], y.shape[-1])).to(x.dtype)

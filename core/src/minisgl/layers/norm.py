@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernel import KernelSet, rms_norm, select_kernels
+from ..kernel import KernelSet, select_kernels
 from .linear import default_loader, set_loader
 
 
@@ -16,10 +16,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         set_loader(self.weight, default_loader)
         self.kernels = kernels or select_kernels(device, self.weight.dtype)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The PyTorch arithmetic (what the kernels are checked against)."""
-        return rms_norm(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.rmsnorm(x, self.weight, self.eps)

@@ -1,9 +1,14 @@
-"""Reading models from disk: Hugging Face directories (safetensors) and GGUF files."""
+"""Reading models from disk: Hugging Face directories (safetensors) and GGUF files, dequantized on first load
+(tens of seconds) into a Hugging Face directory under ``$MINISGL_CACHE_DIR/gguf/`` (default ``~/.cache/minisgl``),
+keyed by the file's path, size and mtime; later loads and every worker process read that directory."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +37,6 @@ class ModelSource:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file '{p}' is not a .gguf file; pass a model directory or a .gguf file")
-            from .gguf import gguf_to_hf_dir
-
             return cls(gguf_to_hf_dir(p), origin=p)
         if not (p / "config.json").exists():
             raise ModelLoadError(f"model directory '{p}' has no config.json")
@@ -42,6 +45,48 @@ class ModelSource:
     @property
     def display(self) -> str:
         return str(self.origin or self.path)
+
+
+def gguf_to_hf_dir(path: Path) -> Path:
+    """The cached HF-format directory for GGUF ``path``, converting it on first use."""
+    import fcntl  # POSIX only: needed for GGUF files alone
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl"))
+    target = cache / "gguf" / f"{path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others wait, then reuse
+        if (target / "config.json").exists():
+            return target
+        try:
+            import gguf  # noqa: F401
+        except ImportError as exc:
+            raise ModelLoadError("loading .gguf files needs the 'gguf' package: pip install gguf accelerate") from exc
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            config = loaded.config
+            for attr in ("quantization_config", "_pre_quantization_dtype"):
+                if hasattr(config, attr):
+                    delattr(config, attr)
+            config.architectures = [type(loaded).__name__]
+            # A GGUF-loaded model refuses save_pretrained: copy into a plain model first.
+            plain = type(loaded)(config)
+            plain.load_state_dict(loaded.state_dict())
+            plain.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+            os.replace(tmp, target)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot read GGUF file '{path}': {exc}") from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def load_config(source: ModelSource, config_path: str | None = None) -> Any:

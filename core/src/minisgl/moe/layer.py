@@ -1,10 +1,7 @@
-"""The sparse mixture-of-experts block: a router and tensor-parallel expert weights.
-
-Experts are stacked and split like a dense gated MLP: ``w13`` ``[experts, 2 * inter / tp, hidden]`` (this
-rank's gate rows, then its up rows), ``w2`` ``[experts, hidden, inter / tp]``; each rank's partial sum is
-all-reduced. Checkpoints load per expert (``experts.<e>.<gate|up|down>_proj.weight``, as transformers
-writes them) or fused (``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]``, ``experts.down_proj``).
-"""
+"""The sparse mixture-of-experts block: a router and expert weights stacked and split like a dense gated MLP
+(``w13`` ``[experts, 2 * inter / tp, hidden]``: this rank's gate rows, then its up rows; ``w2`` ``[experts, hidden,
+inter / tp]``). Checkpoints load per expert (``experts.<e>.<gate|up|down>_proj.weight``, as transformers writes
+them) or fused (``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]``, ``experts.down_proj``)."""
 
 from __future__ import annotations
 
@@ -18,17 +15,16 @@ from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet
 from ..layers import ReplicatedLinear, set_loader
 from .base import BaseMoEBackend, route
+from .torch_backend import TorchMoEBackend
 
 # experts.<e>.<gate|up|down>_proj.weight (one expert's matrix) or experts.<gate_up|down>_proj[.weight] (fused).
 _EXPERT = re.compile(r"\.experts\.(?:(\d+)\.(gate|up|down)_proj\.weight|(gate_up|down)_proj(?:\.weight)?)$")
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None:
-    """``(parameter name, (part, expert))`` of an expert's checkpoint tensor, or None for other names.
-
-    ``part`` is gate, up or down for one expert's matrix, gate_up or down with expert None for the fused
-    layout. Model files call this from :meth:`~minisgl.models.CausalLM.map_weight_name` first.
-    """
+    """``(parameter name, (part, expert))`` of an expert's checkpoint tensor, or None for other names: ``part``
+    is gate, up or down for one expert's matrix, gate_up or down with expert None for the fused layout. Model
+    files call this from :meth:`~minisgl.models.CausalLM.map_weight_name` first."""
     m = _EXPERT.search(name)
     if m is None:
         return None
@@ -53,11 +49,7 @@ class MoEExperts(nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        if backend is None:
-            from .torch_backend import TorchMoEBackend
-
-            backend = TorchMoEBackend()
-        self.backend = backend
+        self.backend = backend if backend is not None else TorchMoEBackend()
         self.tp = tp
         self.comm = comm or SingleCommunicator()
         self.num_experts = num_experts

@@ -17,7 +17,7 @@ class TorchMoEBackend(BaseMoEBackend):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        tokens, k = topk_ids.shape
+        k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
