@@ -1,15 +1,8 @@
-"""The FastAPI application: OpenAI routes, /tokenize, /health, /metrics, errors in OpenAI's shape.
-
-:class:`RequestGuard` runs before any route parses a body: with ``--api-key`` the key is checked from the headers
-alone (401 before a byte of the body is read; /health and /metrics stay open, /docs does not), and a body over
-``--max-request-bytes`` is refused (413) as soon as its declared or counted size passes the limit, so one big
-request costs neither memory nor event-loop time that other requests wait for.
-"""
+"""The FastAPI application: OpenAI routes, /tokenize, /health, /metrics, errors in OpenAI's shape."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -41,16 +34,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("minisgl.server")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # What the engine was built with (as the "model ready" log line says), in the model card for clients and operators.
-_ENGINE_KEYS: tuple[str, ...] = (
-    "architecture",
-    "device",
-    "tp",
-    "attention_backend",
-    "prefix_cache",
-    "kv_pages",
-    "page_size",
-)
-_ENGINE_KEYS += ("max_running_requests", "chunked_prefill_size", "cuda_graphs", "overlap_schedule")
+_ENGINE_KEYS = (
+    "architecture", "device", "tp", "attention_backend", "prefix_cache", "kv_pages", "page_size",
+    "max_running_requests", "chunked_prefill_size", "cuda_graphs", "overlap_schedule",
+)  # fmt: skip
 # Union alternatives show up in an error's location ("stop", "list[str]", 0); they are not field names.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -92,10 +79,7 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    if not errors:
-        return APIError(400, "the request body is invalid")
-    err = errors[0]
+    err = exc.errors()[0]  # FastAPI raises it with at least one
     kind = err.get("type")
     if kind == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
@@ -122,32 +106,29 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-def _as_api_error(request: Request, exc: Exception) -> APIError:
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+    """Every error, in OpenAI's shape."""
     if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestValidationError):
-        return _validation_error(exc)
-    if isinstance(exc, ValidationError):
-        return APIError(400, f"{exc.field}: {exc.message}", param=exc.field)
-    if isinstance(exc, StarletteHTTPException):
+        error = exc
+    elif isinstance(exc, RequestValidationError):
+        error = _validation_error(exc)
+    elif isinstance(exc, ValidationError):
+        error = APIError(400, f"{exc.field}: {exc.message}", param=exc.field)
+    elif isinstance(exc, StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_)
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-
-
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(APIError(status, message, code=code).body(), separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        error = APIError(exc.status_code, str(exc.detail), type_)
+    else:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    return _error(error)
 
 
 class RequestGuard:
-    """ASGI middleware: the API key from the headers, then the body size, before the routes run. The HTTP server
-    discards the rest of a refused body as it arrives, so the client still gets to read the answer."""
+    """ASGI middleware that runs before any route parses a body. With ``--api-key`` the key is checked from the
+    headers alone (401 before a byte of the body is read; /health and /metrics stay open, /docs does not); a body
+    over ``--max-request-bytes`` is refused (413) as soon as its declared or counted size passes the limit, so one
+    big request costs neither memory nor event-loop time that other requests wait for. The HTTP server discards the
+    rest of a refused body as it arrives, so the client still gets to read the answer."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int) -> None:
         self.app = app
@@ -167,13 +148,13 @@ class RequestGuard:
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
                 what = "missing" if not authorization else "incorrect"
                 problem = f"{what} API key; send 'Authorization: Bearer <key>'"
-                return await _refuse(send, 401, problem, "invalid_api_key")
+                return await _error(APIError(401, problem, code="invalid_api_key"))(scope, receive, send)
         declared = headers.get("content-length")
         if declared is None and "chunked" not in headers.get("transfer-encoding", "").lower():
             return await self.app(scope, receive, send)  # no body
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             problem = f"the request body is {int(declared):,} bytes, over {self.limit}"
-            return await _refuse(send, 413, problem, "request_too_large")
+            return await _error(APIError(413, problem, code="request_too_large"))(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -184,7 +165,8 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await _refuse(send, 413, f"the request body is over {self.limit}", "request_too_large")
+                problem = f"the request body is over {self.limit}"
+                return await _error(APIError(413, problem, code="request_too_large"))(scope, receive, send)
             more = message.get("more_body", False)
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
@@ -282,11 +264,8 @@ def create_app(
     app.state.client = client
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_bytes=settings.max_request_bytes)
 
-    async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        return _error(_as_api_error(request, exc))
-
     for kind in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
-        app.add_exception_handler(kind, on_error)
+        app.add_exception_handler(kind, _on_error)
 
     def check_model(name: str | None, what: str = "the model") -> None:
         if name is not None and name not in names:

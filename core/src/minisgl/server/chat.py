@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from typing import Any, TextIO
+from typing import Any
 
 from .settings import PreflightError, ServeSettings, SettingsError, build_parser, preflight, settings_from_args
 
@@ -22,8 +22,6 @@ def run_chat(
     temperature: float = 0.7,
     max_tokens: int = 512,
     system: str | None = None,
-    stdin: TextIO | None = None,
-    stdout: TextIO | None = None,
 ) -> int:
     """Load the model and chat until /exit or end of input; Ctrl-C stops the reply being written."""
     from ..core import SamplingParams, ValidationError
@@ -31,7 +29,6 @@ def run_chat(
     from ..tokenizer import IncrementalDetokenizer
     from .workers import user_error
 
-    out, inp = stdout or sys.stdout, stdin or sys.stdin
     try:
         fields = settings.engine_fields()
         llm = LLM(fields.pop("model"), **fields, plugins=tuple(plugins))
@@ -50,16 +47,16 @@ def run_chat(
     sched = llm.scheduler
     start: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     history = list(start)
-    print(f"minisgl chat: {settings.model_name}. {HELP_TEXT}", file=out, flush=True)
+    print(f"minisgl chat: {settings.model_name}. {HELP_TEXT}", flush=True)
     while True:
-        print(">>> ", end="", file=out, flush=True)
+        print(">>> ", end="", flush=True)
         try:
-            line = inp.readline()
+            line = sys.stdin.readline()
         except KeyboardInterrupt:  # Ctrl-C at the prompt drops the line, as shells do
-            print(file=out)
+            print()
             continue
         if not line:
-            print(file=out)
+            print()
             break
         text = line.strip()
         if not text:
@@ -68,10 +65,10 @@ def run_chat(
             break
         if text == "/reset":
             history = list(start)
-            print("(conversation cleared)", file=out, flush=True)
+            print("(conversation cleared)", flush=True)
             continue
         if text.startswith("/"):
-            print(f"unknown command {text.split()[0]}. {HELP_TEXT}", file=out, flush=True)
+            print(f"unknown command {text.split()[0]}. {HELP_TEXT}", flush=True)
             continue
         history.append({"role": "user", "content": text})
         prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
@@ -83,15 +80,15 @@ def run_chat(
             req = sched.add_request(ids, turn)
         except ValidationError as exc:
             history.pop()
-            print(f"(cannot answer: {exc.message}; /reset starts a new conversation)", file=out, flush=True)
+            print(f"(cannot answer: {exc.message}; /reset starts a new conversation)", flush=True)
             continue
-        reply = _stream_reply(sched, req, IncrementalDetokenizer(tokenizer), out)
+        reply = _stream_reply(sched, req, IncrementalDetokenizer(tokenizer))
         history.append({"role": "assistant", "content": reply})
     llm.close()
     return 0
 
 
-def _stream_reply(sched: Any, req: Any, detok: Any, out: TextIO) -> str:
+def _stream_reply(sched: Any, req: Any, detok: Any) -> str:
     parts: list[str] = []
     try:
         while not req.is_finished:
@@ -102,11 +99,11 @@ def _stream_reply(sched: Any, req: Any, detok: Any, out: TextIO) -> str:
                 piece = detok.finish() if stop_token else detok.push(ev.token, final=ev.finished)
                 if piece:
                     parts.append(piece)
-                    print(piece, end="", file=out, flush=True)
+                    print(piece, end="", flush=True)
     except KeyboardInterrupt:
         sched.abort(req.rid)
-        print(" (stopped)", end="", file=out)
-    print(file=out, flush=True)
+        print(" (stopped)", end="")
+    print(flush=True)
     return "".join(parts)
 
 

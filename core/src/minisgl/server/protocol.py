@@ -172,11 +172,9 @@ class FunctionDef(_Checked):
         return v
 
     def for_template(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            out["description"] = self.description
-        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-        return out
+        described = {} if self.description is None else {"description": self.description}
+        parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return {"name": self.name, **described, "parameters": parameters}
 
 
 class Tool(_Checked):
@@ -275,10 +273,29 @@ class _Sampling(_Checked):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        """Raise ValidationError (a 400 naming the field) for what this server cannot do."""
-        problem = refusal(self)
-        if problem is not None:
-            raise ValidationError(*problem)
+        """Raise ValidationError (a 400 naming the field) for the first thing this server cannot do."""
+        fields = type(self).model_fields
+        for table in (PENDING, UNSUPPORTED):
+            for name, (is_noop, message) in table.items():
+                if name in fields and not is_noop(getattr(self, name), self):
+                    raise ValidationError(name, message)
+        options = self.stream_options
+        if options is not None and not self.stream:
+            raise ValidationError("stream_options", "stream_options is only allowed with stream: true")
+        if options is not None and options.include_obfuscation:
+            raise ValidationError(
+                "stream_options.include_obfuscation",
+                "this server does not pad streamed chunks; leave include_obfuscation out or false",
+            )
+        if isinstance(self, ChatCompletionRequest):
+            if self.top_logprobs is not None and not self.logprobs:
+                raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
+            problem = self.tool_problem()
+            if problem is not None:
+                raise ValidationError(*problem)
+        self.grammar()  # more than one constraint is refused
+        if isinstance(self, CompletionRequest) and self.best_of is not None and self.best_of < self.n:
+            raise ValidationError("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
 
     def check_vocab(self, vocab_size: int | None) -> None:
         """Refuse ``logit_bias`` ids outside the vocabulary."""
@@ -286,21 +303,17 @@ class _Sampling(_Checked):
         if bad is not None:
             raise ValidationError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
-    def _wants_json(self) -> bool:
-        return False
-
-    def grammar_sources(self) -> list[str]:
-        """The fields that constrain the output (at most one may be sent)."""
-        names = self._grammar_fields
-        sources = [f for f in names if getattr(self, f) is not None and (f != "response_format" or self._wants_json())]
-        if len(sources) > 1:
-            allowed = f"{', '.join(names[:-1])} and {names[-1]}"
-            raise ValidationError(sources[1], f"send at most one of {allowed} (got {' and '.join(sources)})")
-        return sources
+    def _constraints(self) -> list[str]:
+        """The fields sent that constrain the output (``{"type": "text"}`` asks for nothing)."""
+        return [f for f in self._grammar_fields if getattr(self, f) not in (None, {"type": "text"})]
 
     def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
         """The output constraint (kind, text) and the request field that asked for it, or (None, None)."""
-        sources = self.grammar_sources()
+        sources = self._constraints()
+        if len(sources) > 1:
+            names = self._grammar_fields
+            allowed = f"{', '.join(names[:-1])} and {names[-1]}"
+            raise ValidationError(sources[1], f"send at most one of {allowed} (got {' and '.join(sources)})")
         return ((sources[0], getattr(self, sources[0])), sources[0]) if sources else (None, None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
@@ -404,33 +417,23 @@ class ChatCompletionRequest(_Sampling):
             return "tool_choice", f'expected "none", "auto", "required" or a named function, got {choice!r}'
         if choice not in (None, "none", "auto") and not names:
             return "tool_choice", "a tool choice other than none/auto needs tools"
-        if self.tool_mode()[0] in ("required", "named"):
+        other = next(iter(self._constraints()), None)
+        if other is not None and self.tool_mode()[0] in ("required", "named"):
             asked = "required" if choice == "required" else "naming a function"
-            for other in ("response_format", "regex", "ebnf"):
-                if getattr(self, other) is not None and (other != "response_format" or self._wants_json()):
-                    return (
-                        other,
-                        f"{other} cannot be combined with tool_choice {asked} (the call's schema shapes the output)",
-                    )
+            return other, f"{other} cannot be combined with tool_choice {asked} (the call's schema shapes the output)"
         return None
 
-    def _wants_json(self) -> bool:
-        return self.response_format is not None and self.response_format.get("type") != "text"
-
     def grammar(self) -> tuple[tuple[str, str] | None, str | None]:
-        sources = self.grammar_sources()
+        grammar, field = super().grammar()
         mode, name = self.tool_mode()
         if mode in ("required", "named"):
             functions = [t.function.for_template() for t in self.tools or []]
             schema = forced_schema(functions, name, self.parallel_tool_calls is not False)
             return ("json_schema", json.dumps(schema)), "tool_choice"
-        if sources == ["response_format"]:
-            fmt = self.response_format or {}
-            given = (fmt.get("json_schema") or {}).get("schema")
-            if fmt.get("type") == "json_object" or given is None:
-                return ("json", ""), "response_format"
-            return ("json_schema", json.dumps(given)), "response_format"
-        return super().grammar()
+        if field == "response_format":  # json_object, or json_schema with or without a schema
+            given = ((self.response_format or {}).get("json_schema") or {}).get("schema")
+            grammar = ("json", "") if given is None else ("json_schema", json.dumps(given))
+        return grammar, field
 
     def params(self, index: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -503,7 +506,7 @@ UNSUPPORTED: dict[str, tuple[Check, str]] = {
     "echo": (_one_of(False), "echoing the prompt is not supported; leave echo out or false"),
     "suffix": (_one_of(""), "suffixes (insertion) are not supported; leave suffix out"),
     "best_of": (
-        lambda v, body: v is None or v <= body.n,  # below n is refused by refusal(), with its own message
+        lambda v, body: v is None or v <= body.n,  # below n is refused by check_supported, with its own message
         "generating best_of candidates and returning the n best is not supported; leave best_of out or set it "
         "equal to n",
     ),
@@ -523,36 +526,6 @@ UNSUPPORTED: dict[str, tuple[Check, str]] = {
         'the prefix cache lives in memory only; leave prompt_cache_retention out or send "in-memory"',
     ),
 }
-
-
-def refusal(body: _Sampling) -> tuple[str, str] | None:
-    """(field, message) for the first thing in ``body`` this server cannot do, or None."""
-    fields = type(body).model_fields
-    for table in (PENDING, UNSUPPORTED):
-        for name, (is_noop, message) in table.items():
-            if name in fields and not is_noop(getattr(body, name), body):
-                return name, message
-    options = body.stream_options
-    if options is not None and not body.stream:
-        return "stream_options", "stream_options is only allowed with stream: true"
-    if options is not None and options.include_obfuscation:
-        return (
-            "stream_options.include_obfuscation",
-            "this server does not pad streamed chunks; leave include_obfuscation out or false",
-        )
-    if isinstance(body, ChatCompletionRequest):
-        if body.top_logprobs is not None and not body.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs: true"
-        problem = body.tool_problem()
-        if problem is not None:
-            return problem
-    try:
-        body.grammar()
-    except ValidationError as exc:
-        return exc.field, exc.message
-    if isinstance(body, CompletionRequest) and body.best_of is not None and body.best_of < body.n:
-        return "best_of", f"best_of ({body.best_of}) must be at least n ({body.n})"
-    return None
 
 
 # ------------------------------------------------------------------ /tokenize, /detokenize (vLLM's shapes)

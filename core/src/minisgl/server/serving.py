@@ -1,9 +1,9 @@
 """Running one HTTP request's generations (*jobs*: ``n`` choices of each prompt) and shaping OpenAI responses.
 
-The response starts only when every job has its first output, so a refused job is a plain 400 even when
-streaming. Outputs land in their job as they arrive (no queue entry per token); the response wakes once for all
-that arrived since it last looked and sends one chunk per job, so a response that falls behind catches up in fewer,
-larger chunks. Whatever ends a request early aborts its unfinished jobs, which frees their KV pages.
+The response starts only once every job has its first output, so a refused job is a plain 400 even when streaming.
+Outputs land in their job (no queue entry per token); the response wakes once for all that arrived since it last
+looked and sends one chunk per job, so a response that falls behind catches up in fewer, larger chunks. Whatever
+ends a request early aborts its unfinished jobs, which frees their KV pages.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.types import Receive
 
 from ..message import GenerateReq
 from .client import EngineClient
-from .tools import CallStream, Event, parse_whole
+from .tools import CallStream, parse_whole
 
 
 class APIError(Exception):
@@ -56,7 +56,7 @@ class Job:
     req: GenerateReq
     index: int
     prompt_index: int
-    gen: Generation | None = None
+    gen: Generation = field(init=False, repr=False)  # set by the Generation that runs it
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -67,7 +67,6 @@ class Job:
     finish_sent: bool = False
     started: bool = False  # its first output arrived
     failure: tuple[str, str] | None = None  # (field, message) when refused
-    dirty: bool = False  # has output the response has not looked at
     submitted: float = 0.0
     last: float | None = None
     tools: CallStream | None = None  # parses tool calls out of the text (chat with tools)
@@ -83,17 +82,14 @@ class Job:
         if end is not None:
             self.finished = True
             self.finish_reason, self.prompt_tokens, self.cached_tokens = end
-        assert self.gen is not None
         self.gen.notify(self)
 
     def on_failed(self, field: str, message: str) -> None:
         self.failure = (field, message)
         self.finished = True  # refused: nothing to abort
-        assert self.gen is not None
         self.gen.notify(self)
 
     def on_gone(self, reason: str) -> None:
-        assert self.gen is not None
         self.gen.notify_gone(reason)
 
     def take_text(self) -> str:
@@ -124,7 +120,7 @@ class Generation:
         self.order = jobs
         self.fields = fields  # a worker's field name -> the request's
         self.wake = asyncio.Event()
-        self.dirty: list[Job] = []
+        self.dirty: dict[Job, None] = {}  # the jobs with output not looked at yet, in the order it came
         self.client_gone = False
         self.server_gone: str | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -132,9 +128,7 @@ class Generation:
             job.gen = self
 
     def notify(self, job: Job) -> None:
-        if not job.dirty:
-            job.dirty = True
-            self.dirty.append(job)
+        self.dirty[job] = None
         self.wake.set()
 
     def notify_gone(self, reason: str) -> None:
@@ -170,11 +164,10 @@ class Generation:
                 await self.client.submit(job.req, job)
             while True:
                 self._check()
-                failed = next((j for j in self.order if j.failure is not None), None)
-                if failed is not None:
-                    field, message = failed.failure  # type: ignore[misc]
-                    param = self.fields.get(field, field)
-                    raise APIError(400, f"{param}: {message}", param=param)
+                for job in self.order:
+                    if job.failure is not None:
+                        param = self.fields.get(job.failure[0], job.failure[0])
+                        raise APIError(400, f"{param}: {job.failure[1]}", param=param)
                 if all(j.started for j in self.order):
                     return
                 await self.wait()
@@ -189,9 +182,8 @@ class Generation:
                 return []
             await self.wait()
         self._check()
-        jobs, self.dirty = self.dirty, []
-        for job in jobs:
-            job.dirty = False
+        jobs = list(self.dirty)
+        self.dirty.clear()
         return jobs
 
     async def close(self) -> None:
@@ -263,23 +255,31 @@ class ResponseShape:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
+    def _logprobs(self, job: Job) -> dict[str, Any] | None:
+        """The logprobs of ``job`` not sent yet (None unless asked for); completions count their text offsets."""
+        entries, job.logprobs = job.logprobs, []
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        offset = self._offsets.get(job.index, 0)
+        self._offsets[job.index] = offset + sum(len(t) for t, _, _ in entries)
+        return completion_logprobs(entries, offset)
+
     def full(self, jobs: list[Job]) -> dict[str, Any]:
         choices = []
         for job in sorted(jobs, key=lambda j: j.index):
-            text, finish_reason = job.take_text(), job.finish_reason
-            lp = None
-            if self.want_logprobs:
-                lp = chat_logprobs(job.logprobs) if self.chat else completion_logprobs(job.logprobs, 0)
-            choice: dict[str, Any] = {"index": job.index, "text": text}
-            if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                if job.tools is not None:
-                    message["content"], calls = parse_whole(job.tools, text)
-                    if calls:
-                        message["tool_calls"] = [c.as_openai() for c in calls]
-                        finish_reason = _tool_finish(finish_reason)
-                choice = {"index": job.index, "message": message}
-            choices.append({**choice, "logprobs": lp, "finish_reason": finish_reason})
+            text, finish_reason, lp = job.take_text(), job.finish_reason, self._logprobs(job)
+            if not self.chat:
+                choices.append({"index": job.index, "text": text, "logprobs": lp, "finish_reason": finish_reason})
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if job.tools is not None:
+                message["content"], calls = parse_whole(job.tools, text)
+                if calls:
+                    message["tool_calls"] = [c.as_openai() for c in calls]
+                    finish_reason = _tool_finish(finish_reason)
+            choices.append({"index": job.index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
         return {**self._envelope(choices, False), "usage": usage(jobs)}
 
     def first_chunks(self, jobs: list[Job]) -> str:
@@ -294,38 +294,22 @@ class ResponseShape:
         return f'{self._head}{index},{key}{delta},"logprobs":{lp_json},"finish_reason":{finish}{self._tail}'
 
     def job_chunk(self, job: Job) -> str:
-        """One chunk with everything new of ``job`` (empty if there is nothing to send)."""
+        """The chunks with everything new of ``job`` (empty if there is nothing to send). With tools: content
+        deltas, and per call a delta with its index, id, type and name (arguments empty) followed by its argument
+        fragments; logprobs and finish on the last."""
         text = job.take_text()
-        lp = None
-        if self.want_logprobs and job.logprobs:
-            entries, job.logprobs = job.logprobs, []
-            if self.chat:
-                lp = chat_logprobs(entries)
-            else:
-                offset = self._offsets.get(job.index, 0)
-                lp = completion_logprobs(entries, offset)
-                self._offsets[job.index] = offset + sum(len(t) for t, _, _ in entries)
+        lp = self._logprobs(job) if job.logprobs else None
         ending = job.finished and not job.finish_sent
         finish = job.finish_reason if ending else None
         job.finish_sent |= ending
         if job.tools is not None:
             events = job.tools.feed(text) + (job.tools.finish() if ending else [])
-            return self._tool_chunks(job, events, lp, finish)
-        if not text and lp is None and finish is None:
-            return ""  # text held back (partial character or possible stop string)
-        if self.chat:
-            delta = '{"content":' + _dumps(text) + "}" if text else "{}"
         else:
-            delta = _dumps(text)
-        return self._chunk(job.index, delta, lp, finish)
-
-    def _tool_chunks(self, job: Job, events: list[Event], lp: Any, finish: str | None) -> str:
-        """Chunks of a chat with tools: content deltas, and per call a delta with its index, id, type and
-        name (arguments empty) followed by its argument fragments; logprobs and finish on the last."""
+            events = [("content", text)] if text else []
         deltas: list[str] = []
         for kind, value in events:
             if kind == "content":
-                deltas.append('{"content":' + _dumps(value) + "}")
+                deltas.append('{"content":' + _dumps(value) + "}" if self.chat else _dumps(value))
                 continue
             if kind in ("call", "head"):
                 job.calls_sent += 1
@@ -339,8 +323,8 @@ class ResponseShape:
         if finish is not None and job.calls_sent:
             finish = _tool_finish(finish)
         if not deltas and lp is None and finish is None:
-            return ""
-        deltas = deltas or ["{}"]
+            return ""  # text held back (partial character, possible stop string or tool-call marker)
+        deltas = deltas or ["{}" if self.chat else '""']
         last = len(deltas) - 1
         return "".join(
             self._chunk(job.index, d, lp if i == last else None, finish if i == last else None)

@@ -1,9 +1,8 @@
-"""Tool calling: the model's output parsed into OpenAI ``tool_calls``, whole or as it streams.
+"""Tool calling: the model's output parsed into OpenAI ``tool_calls``, whole or as it streams (by the same stream).
 
-Formats (:func:`choose_parser` reads it off the chat template): ``hermes`` (``<tool_call>JSON</tool_call>`` blocks
-among content), ``llama3`` and ``mistral`` (the reply is JSON call(s), maybe after a marker). A call that does not
-parse or names a function not offered stays content. With ``tool_choice`` required or named, the request's grammar
-(:func:`forced_schema`) makes the raw output the call. A whole reply runs the same stream as a streamed one.
+Formats: ``hermes``, ``llama3``, ``mistral`` (:func:`choose_parser` reads it off the chat template). A call that does
+not parse or names a function not offered stays content. With ``tool_choice`` required or named, the request's
+grammar (:func:`forced_schema`) makes the raw output the call.
 """
 
 from __future__ import annotations
@@ -17,15 +16,11 @@ from typing import Any
 PARSERS = ("hermes", "llama3", "mistral")
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON text (an object), as OpenAI sends it
-    id: str = field(default_factory=new_call_id)
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
