@@ -1,9 +1,6 @@
-"""Engine settings, defined once for ``LLM(...)``, ``minisgl serve`` flags and ``MINISGL_*`` variables.
-
-:class:`EngineFields` declares each setting with its type, bounds and help text;
-:class:`EngineConfig` is the validated, frozen configuration an engine is built
-from; ``minisgl.server.settings.ServeSettings`` adds the server's own settings to
-the same fields (and derives a flag and an environment variable from each).
+"""Engine settings, defined once (:class:`EngineFields`) for ``LLM(...)``, ``minisgl serve`` flags and ``MINISGL_*``
+variables: :class:`EngineConfig` is the validated configuration an engine is built from, and
+``minisgl.server.settings.ServeSettings`` adds the server's own settings (deriving a flag and a variable from each).
 """
 
 from __future__ import annotations
@@ -13,20 +10,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def device_defaults(device: str) -> dict[str, int]:
-    """Batch limits for ``device`` where none are set.
-
-    A GPU step costs about the same for 1 or 256 decoding requests and for 512 or 8192
-    prompt tokens, so a GPU admits a whole burst at once; a CPU step costs in proportion
-    to its tokens, so a CPU keeps steps short for its streams' sake.
-    """
-    if device.startswith("cuda"):
-        return {"max_running_requests": 256, "chunked_prefill_size": 8192}
-    return {"max_running_requests": 64, "chunked_prefill_size": 512}
 
 
 class EngineFields(BaseModel):
@@ -90,9 +73,8 @@ class EngineFields(BaseModel):
 class EngineConfig(EngineFields):
     """The validated configuration of one engine; bad values raise :class:`minisgl.core.ValidationError`.
 
-    ``device="auto"`` becomes ``cuda`` when torch sees a GPU; unset batch limits take
-    :func:`device_defaults`. ``plugins`` names the plugin entries to load (``None``: the
-    environment's choice).
+    ``device="auto"`` becomes ``cuda`` when torch sees a GPU. ``plugins`` names the plugin entries to load
+    (``None``: the environment's choice).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -109,7 +91,11 @@ class EngineConfig(EngineFields):
             import torch
 
             values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-        for name, value in device_defaults(str(values.get("device", "cpu"))).items():
+        # A GPU step costs about the same for 1 or 256 decoding requests and for 512 or 8192 prompt tokens, so a
+        # GPU admits a whole burst at once; a CPU step costs in proportion to its tokens, so it keeps steps short.
+        gpu = str(values.get("device", "cpu")).startswith("cuda")
+        defaults = {"max_running_requests": 256 if gpu else 64, "chunked_prefill_size": 8192 if gpu else 512}
+        for name, value in defaults.items():
             if values.get(name) is None:
                 values[name] = value
         try:

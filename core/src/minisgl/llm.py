@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from .config import EngineConfig
 from .core import Req, SamplingParams, TokenLogprob
-from .engine import Engine
-from .models import eos_token_ids, load_tokenizer
 from .plugins import PluginRegistry
-from .scheduler import Scheduler
+from .scheduler.tp import start_scheduler, step_naming_dead_rank
 
 
 @dataclass
@@ -32,25 +32,10 @@ class LLM:
     :class:`~minisgl.config.EngineConfig` fields."""
 
     def __init__(self, model: str, *, registry: PluginRegistry | None = None, tokenizer: Any = None, **kwargs: Any):
-        self.config = cfg = EngineConfig(model=model, **kwargs)
-        self._ranks: Any = None
-        self.scheduler: Scheduler
-        if cfg.tp > 1:
-            from .plugins import load_plugins
-            from .scheduler.tp import start_tensor_parallel
-
-            reg = registry if registry is not None else load_plugins(cfg.plugins, paths=cfg.plugin_paths)
-            self.scheduler, self._ranks, own_tokenizer = start_tensor_parallel(cfg, reg)
-            self.engine = self.scheduler.engine
-            tokenizer = tokenizer if tokenizer is not None else own_tokenizer
-        else:
-            self.engine = Engine(cfg, registry)
-            if tokenizer is None and self.engine.source is not None:
-                tokenizer = load_tokenizer(self.engine.source)
-            eos = eos_token_ids(self.engine.hf_config, tokenizer, self.engine.source)
-            detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
-            self.scheduler = Scheduler(self.engine, eos_token_ids=eos, detokenize=detok, tokenizer=tokenizer)
-        self.tokenizer = tokenizer
+        self.config = EngineConfig(model=model, **kwargs)
+        self._ranks: Any  # RankProcesses with tp > 1, else None
+        self.scheduler, self._ranks, self.tokenizer = start_scheduler(self.config, registry, tokenizer)
+        self.engine = self.scheduler.engine
         self.eos_token_ids = self.scheduler.eos_token_ids
         self._closed = False
 
@@ -100,20 +85,13 @@ class LLM:
         try:
             for p, sp in zip(prompt_list, param_list):
                 reqs.append(sched.add_request(self.encode(p), sp))
-            bar = _progress(len(reqs)) if use_tqdm and len(reqs) > 1 else None
+            bar = tqdm(total=len(reqs), desc="generate", unit="req", leave=False, disable=not use_tqdm or len(reqs) < 2)
             while any(not r.is_finished for r in reqs):
                 if ranks is not None:
-                    ranks.check_alive()
-                try:
-                    events = sched.step()
-                except RuntimeError:
-                    if ranks is not None:
-                        ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
-                    raise
-                if bar is not None:
-                    bar.update(sum(1 for e in events if e.finished))
-            if bar is not None:
-                bar.close()
+                    ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
+                events = step_naming_dead_rank(sched, ranks)
+                bar.update(sum(1 for e in events if e.finished))
+            bar.close()
         except BaseException:
             for r in reqs:
                 sched.abort(r.rid)
@@ -139,11 +117,3 @@ class LLM:
     def kv_pages_in_use(self) -> int:
         """Pages owned by live requests (not free and not held by the prefix cache)."""
         return self.scheduler.kv.used_pages - self.scheduler.kv.cache_pages
-
-
-def _progress(total: int) -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=total, desc="generate", unit="req", leave=False)

@@ -1,11 +1,8 @@
 """Continuous batching: chunked prefill, admission by KV capacity (first come, first served), overlap.
 
-Each :meth:`Scheduler.step` runs a prefill batch while prompt tokens are left (under ``chunked_prefill_size``),
-else a decode batch of every running request. With ``overlap_schedule``, batch N+1 is launched before N's
-tokens are read (decode feeds the token the engine kept on the device), so host work overlaps the device; a
-request that stops in N may compute one discarded token in N+1. Requests whose sampling reads host-side
-history (penalties, logprobs) switch to lock-step while they run. Grammar masks are filled on the host; when
-N and N+1 both have constrained rows, N+1's forward is enqueued first, then N is read before its mask is filled.
+With ``overlap_schedule`` batch N+1 is launched before N's tokens are read (decode feeds the token the engine
+kept on the device), so a request that stops in N may compute one discarded token in N+1. Requests whose
+sampling reads host-side history (penalties, logprobs) switch to lock-step while they run.
 """
 
 from __future__ import annotations
@@ -106,11 +103,6 @@ class Scheduler:
         req = self._by_rid.get(rid)
         if req is None or req.is_finished:
             return None
-        if req.status is ReqStatus.WAITING:
-            self.waiting.remove(req)
-        else:
-            self.running.remove(req)
-            self.kv.release(req)
         self._finish(req, reason)
         return req
 
@@ -127,7 +119,8 @@ class Scheduler:
         return len(self.waiting)
 
     def step(self) -> list[TokenEvent]:
-        """Run one batch; the events of the batch whose tokens arrived (with overlap, the previous call's)."""
+        """Run one batch: a prefill while prompt tokens are left (up to ``chunked_prefill_size``), else a decode
+        of every running request. The events of the batch whose tokens arrived (with overlap, the previous one)."""
         lockstep = not self.overlap or self._lockstep_reqs > 0
         events = self._drain() if lockstep else []
         batch = self._schedule_prefill() or self._schedule_decode()
@@ -135,7 +128,8 @@ class Scheduler:
             return events if lockstep else self._drain()
         if lockstep:
             return events + self._process(batch, self._launch(batch, lambda: self._mask(batch)))
-        # The next mask needs the in-flight step's tokens (and its host buffer free again).
+        # The next mask needs the in-flight step's tokens (and its host buffer free again): N+1's forward is
+        # enqueued first, then N is read before N+1's mask is filled.
         wait = self._inflight is not None and _constrained(self._inflight[0]) and _constrained(batch)
 
         def before_sample() -> TokenMask | None:
@@ -255,8 +249,6 @@ class Scheduler:
             self.stats["generated_tokens"] += 1
             reason = self._finish_reason(req, token)
             if reason is not None:
-                self.running.remove(req)
-                self.kv.release(req)
                 self._finish(req, reason)
             events.append(TokenEvent(req, token, lp, req.is_finished))
         return events
@@ -276,6 +268,12 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req, reason: str) -> None:
+        """Take ``req`` off its queue (returning its pages if it ran) and mark it finished."""
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            self.kv.release(req)
         if _needs_lockstep(req):
             self._lockstep_reqs -= 1
         req.matcher = None

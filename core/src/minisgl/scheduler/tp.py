@@ -1,12 +1,8 @@
-"""Tensor parallelism: starting the ranks, and every rank running the same batches in the same order.
+"""Starting a scheduler (:func:`start_scheduler`) and, with tensor parallelism, the other ranks' processes.
 
-Before each step rank 0's :class:`ReplicatedScheduler` broadcasts (one msgpack message) the requests added
-and aborted since the last one; the other ranks replay them on their own :class:`Scheduler` (:func:`follow`),
-so batches, pages and sampling are identical and the collectives line up. Node ``k`` of ``nnodes`` starts
-ranks ``k * per_node ..``; rank 0's node hosts the store at ``dist_init_addr``. Each rank is a fresh
-interpreter (``python -m minisgl.scheduler.tp_rank``): CUDA and threads do not survive a fork, and a
-multiprocessing spawn re-runs a caller's script that lacks a ``__main__`` guard. Rank 0 watches the ranks
-while the group forms, so one that dies first is an error at once, naming it.
+Every rank runs the same batches in the same order: before each step rank 0's :class:`ReplicatedScheduler`
+broadcasts the requests added and aborted since the last one, and the other ranks replay them (:func:`follow`),
+so batches, pages and sampling are identical and the collectives line up.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +27,7 @@ from ..core import Req, SamplingParams
 from ..distributed.group import ControlChannel, TPGroup, free_port, join_group
 from ..engine import Engine
 from ..models import eos_token_ids, load_tokenizer
-from ..plugins import PluginRegistry
+from ..plugins import PluginRegistry, load_plugins
 from .scheduler import Scheduler, TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -49,7 +45,6 @@ class ReplicatedScheduler(Scheduler):
         super().__init__(engine, **kwargs)
         self.control = control
         self._pending: list[list[Any]] = []
-        self._stopped = False
 
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
         req = super().add_request(input_ids, params, rid)  # validation errors stop here, unmirrored
@@ -69,11 +64,9 @@ class ReplicatedScheduler(Scheduler):
         return super().step()
 
     def stop(self) -> None:
-        """Tell the other ranks to leave their loops (pending adds/aborts go first)."""
-        if not self._stopped:
-            self._stopped = True
-            self.control.broadcast(msgpack.packb([*self._pending, ["stop"]]))
-            self._pending = []
+        """Tell the other ranks to leave their loops (pending adds/aborts go first); call it once."""
+        self.control.broadcast(msgpack.packb([*self._pending, ["stop"]]))
+        self._pending = []
 
 
 def follow(scheduler: Scheduler, control: ControlChannel) -> None:
@@ -93,42 +86,59 @@ def follow(scheduler: Scheduler, control: ControlChannel) -> None:
                 raise RuntimeError(f"unknown control message {kind!r} from rank 0")
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Where the ranks are: ``tp`` ranks over ``nnodes`` nodes, this node being ``node_rank``."""
+def _scheduler_for(engine: Engine, tokenizer: Any, control: ControlChannel | None = None) -> Scheduler:
+    """``engine``'s scheduler: it stops at the model's EOS tokens and, given ``tokenizer``, at stop strings, and
+    compiles grammars; with ``control``, rank 0's :class:`ReplicatedScheduler`."""
+    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
+    detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+    kwargs: dict[str, Any] = {"eos_token_ids": eos, "detokenize": detok, "tokenizer": tokenizer}
+    return Scheduler(engine, **kwargs) if control is None else ReplicatedScheduler(engine, control=control, **kwargs)
 
-    tp: int
-    nnodes: int = 1
-    node_rank: int = 0
-    addr: str = ""
 
-    @property
-    def per_node(self) -> int:
-        return self.tp // self.nnodes
+def start_scheduler(
+    config: EngineConfig, registry: PluginRegistry | None = None, tokenizer: Any = None
+) -> tuple[Scheduler, RankProcesses | None, Any]:
+    """This process's scheduler (with ``tp > 1`` rank 0's, the other ranks started), those ranks (else None), and
+    the tokenizer: ``tokenizer``, else the model's (with ``tp > 1`` the scheduler always uses the model's)."""
+    if config.tp > 1:
+        reg = registry if registry is not None else load_plugins(config.plugins, paths=config.plugin_paths)
+        scheduler, ranks, own_tokenizer = start_tensor_parallel(config, reg)
+        return scheduler, ranks, tokenizer if tokenizer is not None else own_tokenizer
+    engine = Engine(config, registry)
+    if tokenizer is None and engine.source is not None:
+        tokenizer = load_tokenizer(engine.source)
+    return _scheduler_for(engine, tokenizer), None, tokenizer
 
-    @classmethod
-    def of(cls, config: EngineConfig) -> Topology:
-        if config.nnodes > 1 and not config.dist_init_addr:
-            raise ValueError("several nodes need --dist-init-addr HOST:PORT (reachable from every node)")
-        addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
-        topo = cls(config.tp, config.nnodes, config.node_rank, addr)
-        if config.device.startswith("cuda"):
-            import torch
 
-            if topo.per_node > (have := torch.cuda.device_count()):
-                raise TensorParallelError(
-                    f"--tp {topo.tp} over {topo.nnodes} node(s) needs {topo.per_node} GPUs on this node, found {have}"
-                )
-        return topo
+def step_naming_dead_rank(scheduler: Scheduler, ranks: RankProcesses | None) -> list[TokenEvent]:
+    """``scheduler.step()``; when it fails and one of ``ranks`` has exited (within 5 s), the error is a
+    :class:`TensorParallelError` naming that rank, not the closed connection. A dead rank would hang the next
+    collective, so callers also run ``ranks.check_alive()`` between steps."""
+    try:
+        return scheduler.step()
+    except RuntimeError:
+        if ranks is not None:
+            ranks.check_alive(grace=5.0)
+        raise
+
+
+def _with_store_address(config: EngineConfig) -> EngineConfig:
+    """``config`` with rank 0's store address (on one node a free local port), after checking this node's GPUs."""
+    if config.nnodes > 1 and not config.dist_init_addr:
+        raise ValueError("several nodes need --dist-init-addr HOST:PORT (reachable from every node)")
+    per_node = config.tp // config.nnodes
+    if config.device.startswith("cuda"):
+        import torch
+
+        if per_node > (have := torch.cuda.device_count()):
+            raise TensorParallelError(
+                f"--tp {config.tp} over {config.nnodes} node(s) needs {per_node} GPUs on this node, found {have}"
+            )
+    return config.with_changes(dist_init_addr=config.dist_init_addr or f"127.0.0.1:{free_port()}")
 
 
 def build_rank(
-    config: EngineConfig,
-    rank: int,
-    local_rank: int,
-    topo: Topology,
-    registry: PluginRegistry | None,
-    ranks: RankProcesses | None = None,
+    config: EngineConfig, rank: int, local_rank: int, registry: PluginRegistry | None, ranks: RankProcesses | None
 ) -> tuple[Scheduler, TPGroup, Any]:
     """Join the group (watching the started ``ranks`` meanwhile) and build this rank's engine, (local)
     scheduler and tokenizer; on CUDA each rank uses GPU ``local_rank``."""
@@ -138,19 +148,16 @@ def build_rank(
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    join = lambda: join_group(rank, topo.tp, topo.addr, device)  # noqa: E731
+    addr = cfg.dist_init_addr
+    assert addr is not None  # set by _with_store_address before any rank starts
+    join = lambda: join_group(rank, cfg.tp, addr, device)  # noqa: E731
     group = join() if ranks is None else ranks.while_alive(join, "joining the group")
     engine = Engine(cfg, registry, tp=group.tp, comm=group.comm)
-    tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
-    detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
     params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, topo.tp, params / 2**20, cfg.device)
-    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
+    logger.info("tensor-parallel rank %d/%d: %.1f MiB of weights on %s", rank, cfg.tp, params / 2**20, cfg.device)
     # Every rank masks its own (identical) logits, so every rank compiles the grammars too.
-    kwargs: dict[str, Any] = {"eos_token_ids": eos, "detokenize": detok, "tokenizer": tokenizer}
-    if rank == 0:
-        return ReplicatedScheduler(engine, control=group.control, **kwargs), group, tokenizer
-    return Scheduler(engine, **kwargs), group, tokenizer
+    tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
+    return _scheduler_for(engine, tokenizer, group.control if rank == 0 else None), group, tokenizer
 
 
 def follower_main() -> None:
@@ -168,13 +175,15 @@ def follower_main() -> None:
                 os._exit(1)
 
     threading.Thread(target=watch_parent, name="parent-watchdog", daemon=True).start()
-    topo = Topology(**launch["topology"])
-    scheduler, group, _ = build_rank(EngineConfig(**launch["config"]), rank, launch["local_rank"], topo, None)
+    scheduler, group, _ = build_rank(EngineConfig(**launch["config"]), rank, launch["local_rank"], None, None)
     follow(scheduler, group.control)
 
 
 class RankProcess(subprocess.Popen[bytes]):
-    """One rank's process: a fresh interpreter running :mod:`minisgl.scheduler.tp_rank`, arguments on stdin."""
+    """One rank's process: a fresh interpreter (``python -m minisgl.scheduler.tp_rank``), arguments on stdin.
+
+    Not a fork (CUDA and threads do not survive one), nor a multiprocessing spawn (it re-runs a caller's script
+    that lacks a ``__main__`` guard)."""
 
     def __init__(self, name: str, launch: dict[str, Any]):
         self.name = name
@@ -197,27 +206,28 @@ class RankProcess(subprocess.Popen[bytes]):
 
 
 class RankProcesses:
-    """The started ranks of this node (all but rank 0 on node 0)."""
+    """The started ranks of this node: node ``k`` runs ranks ``k * tp / nnodes ..``, all but rank 0 on node 0."""
 
-    def __init__(self, config: EngineConfig, topo: Topology):
-        launch = {"config": config.model_dump(mode="json"), "topology": asdict(topo)}
-        first = topo.node_rank * topo.per_node
+    def __init__(self, config: EngineConfig):
+        launch = {"config": config.model_dump(mode="json")}
+        per_node = config.tp // config.nnodes
+        first = config.node_rank * per_node
         self.procs = [
             RankProcess(f"minisgl-tp-rank{rank}", {**launch, "rank": rank, "local_rank": local})
-            for local, rank in enumerate(range(first, first + topo.per_node))
+            for local, rank in enumerate(range(first, first + per_node))
             if rank != 0
         ]
 
     def while_alive(self, wait: Callable[[], T], what: str) -> T:
         """``wait()`` (in a helper thread), failing at once when a rank exits meanwhile: joining the group
         would otherwise surface a rank that died first only at the store's timeout, minutes later."""
-        outcome: list[Any] = []
+        outcome: Future[T] = Future()
 
         def run() -> None:
             try:
-                outcome.append((True, wait()))
+                outcome.set_result(wait())
             except BaseException as exc:  # handed to the caller's thread
-                outcome.append((False, exc))
+                outcome.set_exception(exc)
 
         thread = threading.Thread(target=run, name="tp-wait", daemon=True)
         thread.start()
@@ -229,10 +239,7 @@ class RankProcesses:
                         f"tensor-parallel {p.name} (pid {p.pid}) exited with code {p.returncode} before "
                         f"{what}; its own error is in the output above"
                     )
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value  # type: ignore[no-any-return]
+        return outcome.result()
 
     def check_alive(self, grace: float = 0.0) -> None:
         """Raise naming the first rank that has exited; wait up to ``grace`` seconds for one to (after a
@@ -272,13 +279,13 @@ def start_tensor_parallel(
     config: EngineConfig, registry: PluginRegistry
 ) -> tuple[ReplicatedScheduler, RankProcesses, Any]:
     """Start every local rank; return rank 0's scheduler, the spawned ranks and the tokenizer (node 0 only)."""
-    topo = Topology.of(config)
-    if topo.node_rank != 0:
+    config = _with_store_address(config)
+    if config.node_rank != 0:
         raise TensorParallelError("rank 0 runs on node 0; other nodes run followers only")
-    config = config.with_changes(plugins=tuple(registry.active_plugin_names()), dist_init_addr=topo.addr)
-    procs = RankProcesses(config, topo)
+    config = config.with_changes(plugins=tuple(registry.active_plugin_names()))
+    procs = RankProcesses(config)
     try:
-        scheduler, _, tokenizer = build_rank(config, 0, 0, topo, registry, procs)
+        scheduler, _, tokenizer = build_rank(config, 0, 0, registry, procs)
     except BaseException:
         procs.kill()
         raise
@@ -288,11 +295,9 @@ def start_tensor_parallel(
 
 def run_follower_node(config: EngineConfig) -> int:
     """A node other than node 0: start its ranks and wait for them."""
-    from ..plugins import load_plugins
-
-    topo = Topology.of(config)
+    config = _with_store_address(config)
     registry = load_plugins(config.plugins, paths=config.plugin_paths)
-    procs = RankProcesses(config.with_changes(plugins=tuple(registry.active_plugin_names())), topo)
+    procs = RankProcesses(config.with_changes(plugins=tuple(registry.active_plugin_names())))
     for p in procs.procs:
         p.join()
     return max((p.returncode or 0 for p in procs.procs), default=0)

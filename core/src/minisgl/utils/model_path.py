@@ -1,15 +1,12 @@
-"""Where a ``--model`` argument points, resolved without importing torch.
+"""Where a ``--model`` argument points (a local path, ``dist:NAME`` or a Hub id), resolved without importing torch.
 
-A local path (a model directory or a ``.gguf`` file), ``dist:NAME`` (a model in an installed Python
-distribution), or a Hugging Face Hub id (``owner/name[@revision]``, not an existing path). A Hub model
-is downloaded once, with a progress bar, into the standard Hugging Face cache, and only what an engine
-reads: top-level config, tokenizer and generation files and the safetensors weights. A cached snapshot is
-used without any network call; ``HF_HUB_OFFLINE=1`` forbids the download. The server resolves ``--model``
-before any worker starts, so workers find the snapshot cached.
+A Hub model is downloaded once into the standard Hugging Face cache, and only what an engine reads; a cached
+snapshot is used without any network call. The server resolves ``--model`` before any worker starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import json
 import os
@@ -112,13 +109,12 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=local_only, **opts))
 
     lacking: str | None = "everything"
-    try:  # the cache first: no network call at all
+    # The cache first, with no network call; an error is a model not cached, or an unusable cache entry.
+    with contextlib.suppress(Exception):
         path = download(HUB_FILES, local_only=True)
         lacking = _missing(path)
         if lacking is None:
             return path
-    except Exception:  # not cached (LocalEntryNotFoundError), or an unusable cache entry
-        pass
     where = f"'{model}' is not a local path, and the Hugging Face Hub model {repo_id}" + (
         f" at revision {revision}" if revision else ""
     )
@@ -130,14 +126,10 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
     print(f"minisgl: downloading {repo_id} from the Hugging Face Hub into {cache} (once)", file=sys.stderr)
     try:
         path = download(HUB_FILES)
-        if not (path / "config.json").exists():
-            raise ModelPathError(
-                f"the Hugging Face Hub model {repo_id} has no config.json (a GGUF-only repository? download "
-                "the one .gguf file you want and pass its path as --model)"
-            )
-        # The shards the index names (a repository may hold other copies), else every .safetensors file.
-        shards = _index_shards(path)
-        path = download(shards if shards is not None else ["*.safetensors"])
+        if (path / "config.json").exists():
+            # The shards the index names (a repository may hold other copies), else every .safetensors file.
+            shards = _index_shards(path)
+            path = download(shards if shards is not None else ["*.safetensors"])
     except GatedRepoError:
         raise ModelPathError(
             f"the Hugging Face Hub model {repo_id} is gated: accept its terms on huggingface.co and set HF_TOKEN "
@@ -150,13 +142,16 @@ def hub_snapshot(model: str, repo_id: str, revision: str | None) -> Path:
         ) from None
     except RevisionNotFoundError:
         raise ModelPathError(f"the Hugging Face Hub model {repo_id} has no revision '{revision}'") from None
-    except ModelPathError:
-        raise
     except Exception as exc:  # no network, a proxy, a full disk, ...
         first_line = next((line for line in str(exc).splitlines() if line.strip()), "no details")
         raise ModelPathError(
             f"{where} is not cached and cannot be downloaded ({type(exc).__name__}: {first_line}); {_hub_help(model)}"
         ) from None
+    if not (path / "config.json").exists():
+        raise ModelPathError(
+            f"the Hugging Face Hub model {repo_id} has no config.json (a GGUF-only repository? download "
+            "the one .gguf file you want and pass its path as --model)"
+        )
     lacking = _missing(path)
     if lacking is not None:
         raise ModelPathError(
