@@ -9,8 +9,6 @@ Flow (rid: an int chosen by the API server)::
     scheduler --StepOutput--> detokenizer --OutputBatch--> API
     detokenizer --StopReq--> scheduler         (a stop string ended the request)
     every worker --WorkerStatus/Heartbeat--> launcher (in the API process)
-
-An abort follows its request through the same tokenizer worker, so the scheduler never sees it first.
 """
 
 from __future__ import annotations

@@ -132,16 +132,13 @@ class EngineClient:
 
     async def abort(self, rid: int) -> None:
         """Stop request ``rid`` (its KV pages are freed); nothing more arrives for it."""
-        sink, worker = self._forget(rid)
+        sink, worker = self.release(rid)
         if sink is not None and worker is not None and self.gone is None:
             self.metrics.aborted.inc()
             await self._pushes[worker].send(encode(AbortReq(rid)))
 
-    def release(self, rid: int) -> None:
-        """Forget a request that finished or was refused."""
-        self._forget(rid)
-
-    def _forget(self, rid: int) -> tuple[Sink | None, int | None]:
+    def release(self, rid: int) -> tuple[Sink | None, int | None]:
+        """Forget a request that finished or was refused; its sink and tokenizer worker, if it was still known."""
         self._started(rid)
         return self.sinks.pop(rid, None), self._route.pop(rid, None)
 
@@ -167,7 +164,7 @@ class EngineClient:
                 self._fail(msg.rid, msg.field, msg.message)
 
     def _fail(self, rid: int, field: str, message: str) -> None:
-        sink, _ = self._forget(rid)
+        sink, _ = self.release(rid)
         if sink is not None:
             sink.on_failed(field, message)
 

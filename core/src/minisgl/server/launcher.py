@@ -24,19 +24,14 @@ from typing import Any
 import zmq
 from uvicorn import Config, Server
 
-from ..message import Heartbeat, WorkerStatus, decode
+from ..message import Heartbeat, WorkerStatus, decode, encode
 from .settings import ServeSettings
-from .workers import pack_args
 
 logger = logging.getLogger("minisgl.server")
 
 
 class StartupError(RuntimeError):
     """A worker failed to start; the message is the worker's own error."""
-
-
-class Terminated(Exception):
-    """SIGTERM arrived while the launcher was not inside uvicorn."""
 
 
 @dataclass
@@ -76,40 +71,39 @@ class Launcher:
         ctx = mp.get_context("spawn")
         model = self.settings.model
         engine = {**self.settings.engine_fields(), "plugins": self.plugins}
-        spawns: list[tuple[str, Any, dict[str, Any]]] = [("scheduler-0", scheduler_main, {"engine": engine, "rank": 0})]
-        spawns += [(name, tokenizer_main, {"model": model, "name": name}) for name in self.tokenizers]
+        spawns: list[tuple[str, Any, dict[str, Any]]] = [("scheduler-0", scheduler_main, {"engine": engine})]
+        spawns += [(name, tokenizer_main, {"model": model}) for name in self.tokenizers]
         spawns.append(("detokenizer", detokenizer_main, {"model": model}))
         for name, target, args in spawns:
-            launch = pack_args({"addresses": self.addresses, **args})
+            launch = encode({"addresses": self.addresses, "name": name, **args})
             self.workers[name] = ctx.Process(target=target, args=(launch,), name=f"minisgl-{name}", daemon=False)
             self.workers[name].start()
         logger.info("workers: %s", ", ".join(f"{name} pid={p.pid}" for name, p in self.workers.items()))
         pending = set(self.workers)
         while pending:
             msg = self._next_status(0.2)
+            dead = self.dead_worker() if msg is None else None
+            if dead is not None:
+                msg = self._next_status(1.0)  # its error report may still be in flight: give it a moment
             if isinstance(msg, WorkerStatus) and msg.state == "error":
                 logger.debug("%s failed:\n%s", msg.worker, msg.detail)
                 raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
+            if dead is not None:
+                raise StartupError(dead)
             if isinstance(msg, WorkerStatus):
                 pending.discard(msg.worker)
                 self._beats[msg.worker] = (time.monotonic(), None)
                 if msg.worker == "scheduler-0":
                     self.info = msg.info
-            elif msg is None and (dead := self.dead_worker()) is not None:
-                msg = self._next_status(1.0)  # its error report may still be in flight: give it a moment
-                if isinstance(msg, WorkerStatus) and msg.state == "error":
-                    raise StartupError(f"{msg.worker} process failed to start: {msg.error}")
-                raise StartupError(dead)
         return self.info
 
     def _next_status(self, timeout: float) -> WorkerStatus | Heartbeat | None:
-        if self._status.poll(int(timeout * 1000)):
-            msg = decode(self._status.recv())
-            if isinstance(msg, Heartbeat):
-                self._beats[msg.worker] = (time.monotonic(), msg)
-            if isinstance(msg, WorkerStatus | Heartbeat):
-                return msg
-        return None
+        if not self._status.poll(int(timeout * 1000)):
+            return None
+        msg = decode(self._status.recv())
+        if isinstance(msg, Heartbeat):
+            self._beats[msg.worker] = (time.monotonic(), msg)  # for health()
+        return msg
 
     def dead_worker(self) -> str | None:
         """A description of the first worker that has exited, if any."""
@@ -181,9 +175,8 @@ def _identity(pid: int) -> str | None:
 def make_socket_dir() -> str:
     """A new private directory for this server's IPC sockets; first removes those of servers that are gone.
 
-    Each holds a ``pid`` file (pid and start time of its server), since a server killed with SIGKILL cannot remove
-    its own. One whose server no longer runs (no such process, a zombie, or the pid reused by a process started at
-    another time) is removed; those of running servers, of other users or without a ``pid`` file are left alone.
+    Each holds a ``pid`` file (pid and start time), since a server killed with SIGKILL cannot remove its own. One whose
+    server no longer runs (no such process, a zombie, or its pid reused) is removed; any other is left alone.
     """
     for old in Path(tempfile.gettempdir()).glob("minisgl-*"):
         try:
@@ -214,10 +207,6 @@ def check_port(host: str, port: int) -> str | None:
     return None
 
 
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise Terminated()
-
-
 class _DrainingServer(Server):
     """uvicorn's server, with the first SIGINT/SIGTERM starting the app's drain: uvicorn stops listening and waits
     for open requests, which the app lets run for ``--shutdown-timeout`` seconds before it ends the rest."""
@@ -240,7 +229,8 @@ def serve(settings: ServeSettings, plugins: list[str]) -> int:
     if problem is not None:
         print(f"minisgl serve: error: {problem}; pick another --port", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    # Outside uvicorn (which handles both itself), SIGTERM raises KeyboardInterrupt, as Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     launcher = Launcher(settings, plugins)
     try:
         logger.info("loading %s", settings.model)
@@ -264,7 +254,7 @@ def serve(settings: ServeSettings, plugins: list[str]) -> int:
     except StartupError as exc:
         print(f"minisgl serve: error: {exc}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, Terminated):
+    except KeyboardInterrupt:
         return 0
     finally:
         # A second signal must not interrupt the clean-up.

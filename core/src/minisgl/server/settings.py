@@ -96,12 +96,10 @@ def _where(field: str) -> str:
 
 def _plain_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     """(argparse type, choices) of a field annotation."""
-    args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        return _plain_type(inner[0])
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(annotation) is Literal:
-        return str, list(args)
+        return str, list(typing.get_args(annotation))
     return annotation, None
 
 
@@ -180,14 +178,13 @@ def preflight(settings: ServeSettings) -> list[str]:
         raise PreflightError(f"--plugin-paths: {exc}") from None
     # A component named for a device it cannot run on fails here, with its reason, before any worker starts.
     target = device.split(":")[0] if device != "auto" else likely_device()
-    checks = [("attention", n.strip()) for n in settings.attention_backend.split(",")]
-    checks += [("prefix_cache", settings.prefix_cache), ("kv_pool", settings.kv_pool), ("moe", settings.moe_backend)]
-    checks += [("kernels", settings.kernels)]
+    checks = [("attention", "--attn", n.strip()) for n in settings.attention_backend.split(",")]
+    checks += [("prefix_cache", "--cache", settings.prefix_cache), ("kv_pool", "--kv-pool", settings.kv_pool)]
+    checks += [("moe", "--moe-backend", settings.moe_backend), ("kernels", "--kernels", settings.kernels)]
     # Structured output is optional: "auto" with no grammar backend installed only refuses grammar requests.
-    checks += [("grammar", settings.grammar_backend)] if settings.grammar_backend != "auto" else []
-    flags = {"attention": "--attn", "prefix_cache": "--cache", "kv_pool": "--kv-pool", "moe": "--moe-backend"}
-    flags |= {"kernels": "--kernels", "grammar": "--grammar-backend"}
-    for kind, name in checks:
+    if settings.grammar_backend != "auto":
+        checks.append(("grammar", "--grammar-backend", settings.grammar_backend))
+    for kind, flag, name in checks:
         if not name:
             raise PreflightError(f"--attn: expected NAME or PREFILL,DECODE, got '{settings.attention_backend}'")
         try:
@@ -196,7 +193,7 @@ def preflight(settings: ServeSettings) -> list[str]:
             elif name != "auto":
                 registry.get(kind, name)  # type: ignore[arg-type]
         except UnknownComponentError as exc:
-            raise PreflightError(f"{flags[kind]}: {exc}") from None
+            raise PreflightError(f"{flag}: {exc}") from None
     return registry.active_plugin_names()
 
 

@@ -17,7 +17,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import zmq
 
 from ..message import (
@@ -29,17 +28,10 @@ from ..message import (
     TokenizedReq,
     TokenizerLimits,
     WorkerStatus,
+    decode,
     encode,
     recv_all,
 )
-
-
-def pack_args(args: dict[str, Any]) -> bytes:
-    return msgpack.packb(args, use_bin_type=True)
-
-
-def unpack_args(data: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(data, raw=False)
 
 
 def user_error(exc: BaseException) -> str:
@@ -58,28 +50,11 @@ def user_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-class ParentWatch:
-    """Notices that the launcher died (the worker was re-parented)."""
-
-    def __init__(self, interval: float = 0.5):
-        self.parent = os.getppid()
-        self.interval = interval
-        self._next = time.monotonic() + interval
-
-    def due(self) -> bool:
-        """True once per ``interval``: time for the (cheap but not free) liveness checks."""
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + self.interval
-        return True
-
-    def parent_gone(self) -> bool:
-        return os.getppid() != self.parent
+Probe = Callable[[], tuple[float, dict[str, Any]]]  # (seconds inside the current step, gauges) for a heartbeat
 
 
 class StatusReporter:
-    """Sends :class:`WorkerStatus` messages and heartbeats to the launcher."""
+    """Sends :class:`WorkerStatus` messages and, once ready, heartbeats to the launcher."""
 
     def __init__(self, ctx: zmq.Context, address: str, worker: str):
         self.worker = worker
@@ -92,32 +67,32 @@ class StatusReporter:
         self._wake = threading.Event()
         self._beat: threading.Thread | None = None
 
-    def start_heartbeat(self, probe: Callable[[], tuple[float, dict[str, Any]]] | None = None, interval: float = 0.5):
-        """Send a :class:`Heartbeat` every ``interval`` seconds from a thread of its own, which runs while the main
-        thread is inside a long computation (kernels release the GIL) and stops with the process, so a stopped or
-        dead worker falls silent. ``probe`` returns ``(busy_for, state)``: how long the current step has run, gauges.
-        """
-
-        def run() -> None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.address)
-            try:
-                while not self._stop.is_set():
-                    self._wake.wait(interval)
-                    self._wake.clear()
-                    if self._stop.is_set():
-                        break
-                    busy, state = probe() if probe is not None else (0.0, {})
-                    with contextlib.suppress(zmq.Again):  # the launcher is not reading: skip this beat
-                        sock.send(encode(Heartbeat(self.worker, busy, state)), zmq.NOBLOCK)
-            except zmq.ZMQError:  # the context is going away with the process
-                pass
-            finally:
-                sock.close(0)
-
-        self._beat = threading.Thread(target=run, name=f"{self.worker}-heartbeat", daemon=True)
+    def ready(self, info: dict[str, Any] | None = None, probe: Probe | None = None) -> None:
+        """Report ready, then send a :class:`Heartbeat` (of ``probe()``) every half second from a thread of its own,
+        which runs while the main thread is inside a long computation (kernels release the GIL) and stops with the
+        process, so a stopped or dead worker falls silent."""
+        self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info or {})))
+        name = f"{self.worker}-heartbeat"
+        self._beat = threading.Thread(target=self._heartbeat, args=(probe,), name=name, daemon=True)
         self._beat.start()
+
+    def _heartbeat(self, probe: Probe | None) -> None:
+        sock = self.ctx.socket(zmq.PUSH)  # a socket of its own: zmq sockets are not thread-safe
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                busy, state = probe() if probe is not None else (0.0, {})
+                with contextlib.suppress(zmq.Again):  # the launcher is not reading: skip this beat
+                    sock.send(encode(Heartbeat(self.worker, busy, state)), zmq.NOBLOCK)
+        except zmq.ZMQError:  # the context is going away with the process
+            pass
+        finally:
+            sock.close(0)
 
     def beat_now(self) -> None:
         """Send the next heartbeat at once (the state just changed in a way watchers care about)."""
@@ -129,31 +104,26 @@ class StatusReporter:
         if self._beat is not None:
             self._beat.join(2.0)
 
-    def ready(self, **info: Any) -> None:
-        self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info)))
-
 
 @contextlib.contextmanager
-def worker_process(worker: str, status_address: str) -> Iterator[tuple[zmq.Context, StatusReporter]]:
-    """Run a worker's body: report an exception to the launcher and exit non-zero."""
+def worker_process(launch: bytes) -> Iterator[tuple[dict[str, Any], zmq.Context, StatusReporter]]:
+    """Run a worker's body on its decoded launch arguments: report an exception to the launcher and exit non-zero."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = decode(launch)
     ctx = zmq.Context()
-    reporter = StatusReporter(ctx, status_address, worker)
-    code = 0
+    reporter = StatusReporter(ctx, args["addresses"]["status"], args["name"])
     try:
-        yield ctx, reporter
+        yield args, ctx, reporter
     except BaseException as exc:  # every failure must reach the launcher, whatever its type
-        code = 1
         try:
             detail = "".join(traceback.format_exception(exc))
-            reporter.sock.send(encode(WorkerStatus(worker, "error", error=user_error(exc), detail=detail)))
+            reporter.sock.send(encode(WorkerStatus(args["name"], "error", error=user_error(exc), detail=detail)))
         finally:
             traceback.print_exc(file=sys.stderr)
+        sys.exit(1)  # after the clean-up below
     finally:
         reporter.stop_heartbeat()
         ctx.destroy(linger=2000)
-    if code:
-        sys.exit(code)
 
 
 def _sockets(ctx: zmq.Context, addresses: dict[str, str], inbox: str, *outboxes: str) -> list[zmq.Socket]:
@@ -167,9 +137,9 @@ def _sockets(ctx: zmq.Context, addresses: dict[str, str], inbox: str, *outboxes:
 
 
 def _serve_inbox(inbox: zmq.Socket, handle: Callable[[Any], None]) -> None:
-    """Hand every message arriving on ``inbox`` to ``handle`` until the launcher is gone."""
-    watch = ParentWatch()
-    while not (watch.due() and watch.parent_gone()):
+    """Hand every message arriving on ``inbox`` to ``handle`` until the launcher is gone (this process re-parented)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
         if inbox.poll(200):
             for msg in recv_all(inbox):
                 handle(msg)
@@ -186,12 +156,10 @@ def tokenizer_main(launch: bytes) -> None:
     """Entry point of a tokenizer process: requests in, token ids to the scheduler."""
     from ..tokenizer.worker import TokenizerService
 
-    args = unpack_args(launch)
-    with worker_process(args["name"], args["addresses"]["status"]) as (ctx, status):
+    with worker_process(launch) as (args, ctx, status):
         service = TokenizerService(_model_tokenizer(args["model"]))
         inbox, to_sched, to_api = _sockets(ctx, args["addresses"], args["name"], "scheduler", "api")
-        status.ready(has_tokenizer=service.tokenizer is not None)
-        status.start_heartbeat()
+        status.ready()
 
         def handle(msg: Any) -> None:
             if isinstance(msg, GenerateReq):
@@ -209,12 +177,10 @@ def detokenizer_main(launch: bytes) -> None:
     """Entry point of the detokenizer process: token ids in, text to the API server, stop strings found."""
     from ..tokenizer.detokenizer import DetokenizerService
 
-    args = unpack_args(launch)
-    with worker_process("detokenizer", args["addresses"]["status"]) as (ctx, status):
+    with worker_process(launch) as (args, ctx, status):
         service = DetokenizerService(_model_tokenizer(args["model"]))
         inbox, to_api, to_sched = _sockets(ctx, args["addresses"], "detokenizer", "api", "scheduler")
         status.ready()
-        status.start_heartbeat()
 
         def handle(msg: Any) -> None:
             if not isinstance(msg, StepOutput):
@@ -270,34 +236,30 @@ class _Progress:
 def scheduler_main(launch: bytes) -> None:
     """Entry point of the scheduler process: builds the engine as :class:`minisgl.LLM` does (with ``tp`` > 1 it
     starts the other ranks as its children, which replay its every step), then serves requests until stopped."""
-    args = unpack_args(launch)
-    rank = int(args.get("rank", 0))
-    with worker_process(f"scheduler-{rank}", args["addresses"]["status"]) as (ctx, status):
-        if rank != 0:
-            raise ValueError("the launcher starts rank 0 only; rank 0 starts the other tensor-parallel ranks")
+    with worker_process(launch) as (args, ctx, status):
         # SIGTERM (from the launcher) ends the loop between steps, so tensor-parallel ranks are stopped cleanly.
         stopping: list[int] = []
         signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
         sched, ranks = _build_scheduler(args["engine"])
         engine, config = sched.engine, sched.engine.config
         inbox, outbox = _sockets(ctx, args["addresses"], "scheduler", "detokenizer")
-        status.ready(
-            architecture=engine.architecture,
-            max_model_len=int(engine.max_model_len),
-            vocab_size=int(sched.vocab_size),
-            kv_pages=int(sched.kv.usable_pages),
-            page_size=int(config.page_size),
-            device=str(engine.device),
-            tp=int(config.tp),
-            max_running_requests=int(config.max_running_requests),
-            chunked_prefill_size=int(config.chunked_prefill_size),
-            attention_backend=",".join(spec.name for spec in engine.attn_specs),
-            prefix_cache=type(sched.kv.cache).__name__,
-            cuda_graphs=engine.graphs is not None,
-            overlap_schedule=bool(sched.overlap),
-        )
         progress = _Progress(sched, status.beat_now)
-        status.start_heartbeat(progress.probe)
+        info = {
+            "architecture": engine.architecture,
+            "max_model_len": int(engine.max_model_len),
+            "vocab_size": int(sched.vocab_size),
+            "kv_pages": int(sched.kv.usable_pages),
+            "page_size": int(config.page_size),
+            "device": str(engine.device),
+            "tp": int(config.tp),
+            "max_running_requests": int(config.max_running_requests),
+            "chunked_prefill_size": int(config.chunked_prefill_size),
+            "attention_backend": ",".join(spec.name for spec in engine.attn_specs),
+            "prefix_cache": type(sched.kv.cache).__name__,
+            "cuda_graphs": engine.graphs is not None,
+            "overlap_schedule": bool(sched.overlap),
+        }
+        status.ready(info, progress.probe)
         try:
             _serve(sched, ranks, inbox, outbox, stopping, progress)
         finally:
@@ -331,12 +293,14 @@ def _serve(
 ) -> None:
     """The request loop: take every queued message, run one step when there is work, send what happened to the
     detokenizer as one columnar StepOutput. With no work it blocks on its socket, so an idle server uses no CPU."""
-    watch = ParentWatch()
+    parent = os.getppid()
+    next_check = 0.0
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while not stopping:
-        if watch.due():
-            if watch.parent_gone():
+        if time.monotonic() >= next_check:  # twice a second: checking the ranks is cheap but not free
+            next_check = time.monotonic() + 0.5
+            if os.getppid() != parent:  # the launcher is gone
                 return
             if ranks is not None:
                 ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
@@ -383,22 +347,18 @@ def _take(sched: Any, messages: list[Any], out: StepOutput) -> None:
 
 
 def _add_events(out: StepOutput, events: list[Any]) -> None:
-    """The step's token events, as columns."""
-    rids, tokens, finished = out.rids, out.tokens, out.finished
-    logprobs: list[Any] | None = None
+    """The step's token events, as columns (``logprobs`` stays None when no event has any)."""
+    logprobs: list[Any] = []
     for i, ev in enumerate(events):
         req = ev.req
         token = int(ev.token)
-        rids.append(req.rid)
-        tokens.append(token)
+        out.rids.append(req.rid)
+        out.tokens.append(token)
         if ev.finished:
             reason = req.finish_reason
             stop_token = reason == "stop" and (token in req.eos_token_ids or token in req.params.stop_ids)
-            finished.append([i, reason, stop_token, int(req.prefix_len)])
-        if ev.logprob is not None:
-            if logprobs is None:
-                logprobs = [None] * i
-            logprobs.append([float(ev.logprob.logprob), [[int(t), float(lp)] for t, lp in ev.logprob.top]])
-        elif logprobs is not None:
-            logprobs.append(None)
-    out.logprobs = logprobs
+            out.finished.append([i, reason, stop_token, int(req.prefix_len)])
+        lp = ev.logprob
+        logprobs.append(None if lp is None else [float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]])
+    if any(entry is not None for entry in logprobs):
+        out.logprobs = logprobs

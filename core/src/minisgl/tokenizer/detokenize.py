@@ -1,11 +1,9 @@
 """Incremental detokenization with stop strings.
 
-A token's text can depend on the tokens before it (merges, multi-byte characters), so each step decodes
-a short window and returns what it adds; a window ending in an incomplete character (U+FFFD) is held
-back. Fast tokenizers do this in Rust (``tokenizers.decoders.DecodeStream``), others with two ``decode``
-calls a token. Text that could still become a stop string is held back and the output is cut where one
-begins, so a stream never shows text past a stop; only held-back text is searched (work per token is
-bounded by the stop strings' length, not the output's).
+A token's text can depend on the tokens before it, so each step decodes a short window and returns what it adds,
+holding back a window that ends in an incomplete character (U+FFFD); fast tokenizers do this in Rust
+(``tokenizers.decoders.DecodeStream``). Text that could still become a stop string is held back too, and only it
+is searched, so a stream never shows text past a stop and the work per token does not grow with the output.
 """
 
 from __future__ import annotations

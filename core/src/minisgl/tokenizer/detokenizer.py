@@ -34,11 +34,9 @@ class DetokenizerService:
         for rid, prompt_tokens, stop, skip_special, logprobs in step.accepted:
             detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special, stop=stop) if tok else None
             self.live[rid] = _Live(detok, bool(logprobs), int(prompt_tokens))
-        out = OutputBatch(failed=step.failed)
+        out = OutputBatch(failed=step.failed, logprobs=[] if step.logprobs is not None else None)
         ends = {e[0]: e for e in step.finished}
         stopped: list[int] = []
-        want_lp = step.logprobs is not None
-        lps: list[Any] = []
         live_map = self.live
         for i, (rid, token) in enumerate(zip(step.rids, step.tokens, strict=True)):
             live = live_map.get(rid)
@@ -67,11 +65,9 @@ class DetokenizerService:
             out.rids.append(rid)
             out.texts.append(text)
             out.counts.append(live.completion_tokens)
-            if want_lp:
+            if out.logprobs is not None:
                 entry = step.logprobs[i] if live.logprobs else None  # type: ignore[index]
-                lps.append(self._logprob_entry(token, entry) if entry is not None else None)
-        if want_lp:
-            out.logprobs = lps
+                out.logprobs.append(self._logprob_entry(token, entry) if entry is not None else None)
         for rid in step.dropped:
             live_map.pop(rid, None)
         for rid, _, _ in step.failed:
