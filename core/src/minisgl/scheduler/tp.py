@@ -102,7 +102,16 @@ def start_scheduler(
     the tokenizer: ``tokenizer``, else the model's (with ``tp > 1`` the scheduler always uses the model's)."""
     if config.tp > 1:
         reg = registry if registry is not None else load_plugins(config.plugins, paths=config.plugin_paths)
-        scheduler, ranks, own_tokenizer = start_tensor_parallel(config, reg)
+        config = _with_store_address(config)
+        if config.node_rank != 0:
+            raise TensorParallelError("rank 0 runs on node 0; other nodes run followers only")
+        config = config.with_changes(plugins=tuple(reg.active_plugin_names()))
+        ranks = RankProcesses(config)
+        try:
+            scheduler, _, own_tokenizer = build_rank(config, 0, 0, reg, ranks)
+        except BaseException:
+            ranks.kill()
+            raise
         return scheduler, ranks, tokenizer if tokenizer is not None else own_tokenizer
     engine = Engine(config, registry)
     if tokenizer is None and engine.source is not None:
@@ -273,24 +282,6 @@ class RankProcesses:
             p.kill()  # a no-op once it has exited
         for p in self.procs:
             p.join(5)
-
-
-def start_tensor_parallel(
-    config: EngineConfig, registry: PluginRegistry
-) -> tuple[ReplicatedScheduler, RankProcesses, Any]:
-    """Start every local rank; return rank 0's scheduler, the spawned ranks and the tokenizer (node 0 only)."""
-    config = _with_store_address(config)
-    if config.node_rank != 0:
-        raise TensorParallelError("rank 0 runs on node 0; other nodes run followers only")
-    config = config.with_changes(plugins=tuple(registry.active_plugin_names()))
-    procs = RankProcesses(config)
-    try:
-        scheduler, _, tokenizer = build_rank(config, 0, 0, registry, procs)
-    except BaseException:
-        procs.kill()
-        raise
-    assert isinstance(scheduler, ReplicatedScheduler)
-    return scheduler, procs, tokenizer
 
 
 def run_follower_node(config: EngineConfig) -> int:

@@ -270,22 +270,11 @@ def scheduler_main(launch: bytes) -> None:
 def _build_scheduler(fields: dict[str, Any]) -> tuple[Any, Any]:
     """Rank 0's scheduler, as :class:`minisgl.LLM` builds it (less stop strings), and the other ranks (tp > 1)."""
     from ..config import EngineConfig
-    from ..engine import Engine
-    from ..models import eos_token_ids, load_tokenizer
-    from ..scheduler import Scheduler
+    from ..scheduler.tp import start_scheduler
 
-    config = EngineConfig(**fields)
-    if config.tp > 1:
-        from ..plugins import load_plugins
-        from ..scheduler.tp import start_tensor_parallel
-
-        sched, ranks, _ = start_tensor_parallel(config, load_plugins(config.plugins, paths=config.plugin_paths))
-        sched.detokenize = None  # stop strings are the detokenizer process's to find
-        return sched, ranks
-    engine = Engine(config)
-    tokenizer = load_tokenizer(engine.source) if engine.source is not None else None
-    eos = eos_token_ids(engine.hf_config, tokenizer, engine.source)
-    return Scheduler(engine, eos_token_ids=eos, tokenizer=tokenizer), None  # the tokenizer compiles grammars
+    sched, ranks, _ = start_scheduler(EngineConfig(**fields))
+    sched.detokenize = None  # stop strings are the detokenizer process's to find; the tokenizer compiles grammars
+    return sched, ranks
 
 
 def _serve(
@@ -293,6 +282,8 @@ def _serve(
 ) -> None:
     """The request loop: take every queued message, run one step when there is work, send what happened to the
     detokenizer as one columnar StepOutput. With no work it blocks on its socket, so an idle server uses no CPU."""
+    from ..scheduler.tp import step_naming_dead_rank
+
     parent = os.getppid()
     next_check = 0.0
     poller = zmq.Poller()
@@ -310,11 +301,7 @@ def _serve(
         if sched.has_work:
             progress.step_started = time.monotonic()
             try:
-                events = sched.step()
-            except RuntimeError:
-                if ranks is not None:
-                    ranks.check_alive(grace=5.0)  # name the rank that is gone, if one is
-                raise
+                events = step_naming_dead_rank(sched, ranks)
             finally:
                 progress.step_started = None
             if events:
