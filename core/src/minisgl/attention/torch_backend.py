@@ -17,9 +17,6 @@ class TorchAttnMetadata:
     kv_index: torch.Tensor  # [B * max_kv] token slots, row-major (padding points at scratch slot 0)
     mask: torch.Tensor  # [B, 1, max_q, max_kv] True where attention is allowed
     q_dest: torch.Tensor  # [T] row of each new token in the padded [B * max_q] query layout
-    batch_size: int
-    max_q: int
-    max_kv: int
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -39,21 +36,19 @@ class TorchAttnBackend(BaseAttnBackend):
         key_pos = torch.arange(max_kv, device=dev).view(1, 1, max_kv)
         q_pos = start_t + torch.arange(max_q, device=dev).view(1, max_q, 1)
         mask = (key_pos <= q_pos) & (key_pos < kv_len_t)
-        kv_index = torch.where(key_pos[:, 0] < kv_len_t[:, 0], kv_index, torch.zeros_like(kv_index))
+        kv_index = kv_index.masked_fill(key_pos[:, 0] >= kv_len_t[:, 0], 0)
         q_batch = torch.repeat_interleave(torch.arange(bsz, device=dev), torch.tensor(q_lens, device=dev))
         q_offset = torch.cat([torch.arange(n, device=dev) for n in q_lens])
         # Flat indices: index_select/index_copy on one dimension are far faster than
         # advanced indexing with two index tensors (which the CPU runs element by element).
-        batch.attn_metadata = TorchAttnMetadata(
-            kv_index.reshape(-1), mask.unsqueeze(1), q_batch * max_q + q_offset, bsz, max_q, max_kv
-        )
+        batch.attn_metadata = TorchAttnMetadata(kv_index.reshape(-1), mask.unsqueeze(1), q_batch * max_q + q_offset)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         ctx, meta = self.ctx, batch.attn_metadata
         assert batch.out_loc is not None and isinstance(meta, TorchAttnMetadata)
         hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
         ctx.kv_pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
-        bsz, max_q, max_kv = meta.batch_size, meta.max_q, meta.max_kv
+        bsz, _, max_q, max_kv = meta.mask.shape
         decode = max_q == 1  # one new token per request: the flat order is already the padded order
         if decode:
             qp = q.view(bsz, 1, hq, d)

@@ -1,9 +1,8 @@
 """The engine: builds the model, KV pool, attention backend and kernel set, and runs one batch.
 
-The scheduler allocates KV slots in its :class:`~minisgl.kvcache.KVCacheManager` (host page table);
-:meth:`Engine.prepare` turns a batch and the manager's new table entries into :class:`StepInputs`;
-:meth:`Engine.launch` mirrors them into the device page table and runs the batch. The engine never
-reads the manager; its device state (page table, last sampled tokens) changes only in ``launch``.
+:meth:`Engine.prepare` turns a batch and the scheduler's new page-table entries into :class:`StepInputs`;
+:meth:`Engine.launch` mirrors them into the device page table and runs the batch. The engine never reads
+the scheduler's KV manager; its device state (page table, last sampled tokens) changes only in ``launch``.
 """
 
 from __future__ import annotations
@@ -11,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +27,10 @@ from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_w
 from ..moe import BaseMoEBackend
 from ..plugins import PluginRegistry, load_plugins
 from .graph import CudaGraphRunner
-from .sampling import LogitsMask, Sampler
+from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .grammar import TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,10 @@ class Engine:
         t0 = time.perf_counter()
         self.model = self._build_model()
         logger.info("model %s loaded in %.1fs", self.architecture, time.perf_counter() - t0)
-        self.max_model_len = self._max_model_len()
+        limit, wanted = self.model.max_positions, config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValidationError("max_model_len", f"{wanted} exceeds the model's maximum context {limit}")
+        self.max_model_len = limit if wanted is None else wanted
         self.kv_pool = self._build_kv_pool()
         # The device mirror of the scheduler's page table (row -> token slots), filled by launch.
         cols = -(-self.max_model_len // config.page_size) * config.page_size
@@ -106,13 +111,8 @@ class Engine:
         self.graphs = self._build_graphs()
 
     # ------------------------------------------------------------------ build
-    def _max_model_len(self) -> int:
-        limit, wanted = self.model.max_positions, self.config.max_model_len
-        if wanted is not None and wanted > limit:
-            raise ValidationError("max_model_len", f"{wanted} exceeds the model's maximum context {limit}")
-        return limit if wanted is None else wanted
-
     def _build_components(self) -> None:
+        """Look up every component before the (slow) model load, so that a bad name fails at once."""
         reg, dev = self.registry, self.device.type
         self.model_spec = reg.get("model", self.architecture)
         self.kv_pool_spec = reg.pick("kv_pool", self.config.kv_pool, dev)
@@ -152,26 +152,23 @@ class Engine:
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         return heads // tp, max(1, kv_heads // tp), getattr(hf, "head_dim", None) or hf.hidden_size // heads
 
-    def _num_pages(self, bytes_per_token: int) -> int:
-        cfg = self.config
-        if cfg.num_pages is not None:
-            return cfg.num_pages
-        if self.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
-        else:
-            budget = int(cfg.cpu_kv_cache_gb * (1 << 30))
-        tokens = min(cfg.max_running_requests * self.max_model_len, budget // bytes_per_token)
-        return max(2, tokens // cfg.page_size + 1)
-
     def _build_kv_pool(self) -> BaseKVPool:
+        cfg = self.config
         _, kv_heads, head_dim = self._heads()
-        layers, ps = self.hf_config.num_hidden_layers, self.config.page_size
-        probe = KVLayout(layers, 2, ps, kv_heads, head_dim, self.dtype, self.device)
-        num_pages = self._num_pages(probe.bytes_per_token())
-        layout = KVLayout(layers, num_pages, ps, kv_heads, head_dim, self.dtype, self.device, self.kernels)
+        layers = self.hf_config.num_hidden_layers
+        layout = KVLayout(layers, 2, cfg.page_size, kv_heads, head_dim, self.dtype, self.device, self.kernels)
+        num_pages = cfg.num_pages
+        if num_pages is None:
+            if self.device.type == "cuda":
+                budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
+            else:
+                budget = int(cfg.cpu_kv_cache_gb * (1 << 30))
+            tokens = min(cfg.max_running_requests * self.max_model_len, budget // layout.bytes_per_token())
+            num_pages = max(2, tokens // cfg.page_size + 1)
+        layout = replace(layout, num_pages=num_pages)
         pool = self.kv_pool_spec.build(layout)
         gib = layout.bytes_per_token() * layout.num_slots / (1 << 30)
-        logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, ps, gib)
+        logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, cfg.page_size, gib)
         return pool
 
     def _build_attention(self) -> BaseAttnBackend:
@@ -239,10 +236,7 @@ class Engine:
 
     @torch.inference_mode()
     def launch(
-        self,
-        batch: Batch,
-        inputs: StepInputs,
-        before_sample: Callable[[], LogitsMask | None] | None = None,
+        self, batch: Batch, inputs: StepInputs, before_sample: Callable[[], TokenMask | None] | None = None
     ) -> PendingStep:
         """Enqueue ``batch``; sampled tokens arrive in the returned handle. On CUDA nothing here waits for
         the device. ``before_sample``, called once the forward is enqueued, returns the grammar mask of the
@@ -294,33 +288,31 @@ class StepInputs:
     @classmethod
     def build(cls, batch: Batch, new_entries: torch.Tensor | None, device: torch.device) -> StepInputs:
         """Host work and one host-to-device copy (pinned, non-blocking on CUDA)."""
+        rows, pos, ids, sample = [], [], [], []
         if batch.is_decode:
             rows = [r.table_idx for r in batch.reqs]
             pos = [r.cached_len for r in batch.reqs]
-            ids: list[int] = []
-            sample: list[int] = []
         else:
-            rows, pos, ids, sample = [], [], [], []
             for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
                 rows.extend([req.table_idx] * req.extend_len)
                 pos.extend(range(req.cached_len, req.device_len))
                 ids.extend(req.input_ids[req.cached_len : req.device_len])
                 if samples:
                     sample.append(len(pos) - 1)
-        n, k = len(rows), len(sample)
-        parts = [torch.tensor(rows + pos + ids + sample, dtype=torch.int64)]
+        flat = rows + pos + ids + sample
+        host = torch.tensor(flat, dtype=torch.int64)
         if new_entries is not None:
-            parts.append(new_entries.view(-1))
-        host = torch.cat(parts)
+            host = torch.cat([host, new_entries.view(-1)])
         if device.type != "cpu":
             host = host.pin_memory().to(device, non_blocking=True)
-        tail = host[2 * n + len(ids) + k :]  # decode has no ids
+        sizes = [len(rows), len(pos), len(ids), len(sample), host.numel() - len(flat)]
+        rows_t, pos_t, ids_t, sample_t, entries = host.split(sizes)
         return cls(
-            rows=host[:n],
-            positions=host[n : 2 * n],
-            input_ids=host[2 * n : 3 * n] if batch.is_prefill else None,
-            sample_idx=host[3 * n : 3 * n + k] if batch.is_prefill else None,
-            new_entries=tail.view(3, -1) if new_entries is not None else None,
+            rows=rows_t,
+            positions=pos_t,
+            input_ids=ids_t if batch.is_prefill else None,
+            sample_idx=sample_t if batch.is_prefill else None,
+            new_entries=entries.view(3, -1) if new_entries is not None else None,
         )
 
     def apply(self, batch: Batch, page_table: torch.Tensor, last_token: torch.Tensor) -> None:

@@ -1,8 +1,7 @@
 """CUDA-graph capture and replay of decode steps: a small model's decode step is hundreds of short kernels,
 cheaper to replay than to launch from Python. Each size of :func:`graph_batch_sizes` gets one graph (forward
 and LM head) over static inputs; a batch replays the smallest graph that fits, padded with dummy entries
-that write to scratch slot 0. The graphs share one memory pool: they never run at once.
-"""
+that write to scratch slot 0. The graphs share one memory pool: they never run at once."""
 
 from __future__ import annotations
 
@@ -25,9 +24,7 @@ logger = logging.getLogger(__name__)
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 up to ``max_bs`` (and ``max_bs`` itself)."""
     sizes = [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, max_bs + 1, 8))
-    if max_bs not in sizes:
-        sizes.append(max_bs)
-    return sorted(set(sizes))
+    return sorted(set(sizes) | {max_bs})
 
 
 class CudaGraphRunner:
@@ -39,9 +36,8 @@ class CudaGraphRunner:
         self.device = device
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        # The static inputs: input ids, positions and out_loc, one row each.
+        self.inputs = torch.zeros((3, self.max_bs), dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         attn.init_capture_graph(max_seq_len, self.batch_sizes)
@@ -52,10 +48,6 @@ class CudaGraphRunner:
         used_gib = (free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 30)
         msg = "captured %d decode CUDA graphs (batch sizes %d..%d) in %.2fs, using %.2f GiB"
         logger.info(msg, len(self.graphs), self.batch_sizes[0], self.max_bs, self.capture_seconds, used_gib)
-
-    def _static_batch(self, bs: int) -> Batch:
-        ids, pos, loc = self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs]
-        return Batch(reqs=[], phase="decode", input_ids=ids, positions=pos, out_loc=loc, padded_size=bs)
 
     def _run(self, batch: Batch) -> torch.Tensor:
         assert batch.input_ids is not None and batch.positions is not None
@@ -68,7 +60,8 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)
         # Largest first, so smaller graphs fit into the pool the largest one sized.
         for bs in reversed(self.batch_sizes):
-            batch = self._static_batch(bs)
+            ids, pos, loc = self.inputs[:, :bs]
+            batch = Batch(reqs=[], phase="decode", input_ids=ids, positions=pos, out_loc=loc, padded_size=bs)
             self.attn.prepare_for_capture(batch)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -90,14 +83,10 @@ class CudaGraphRunner:
         bs = next(s for s in self.batch_sizes if s >= n)
         batch.padded_size = bs
         assert batch.input_ids is not None and batch.positions is not None and batch.out_loc is not None
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_loc[:n].copy_(batch.out_loc)
-        if bs > n:
-            # Padding requests: token 0 at position 0, writing to the never-allocated scratch slot 0.
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_loc[n:bs].zero_()
+        for static, value in zip(self.inputs, (batch.input_ids, batch.positions, batch.out_loc), strict=True):
+            static[:n].copy_(value)
+        # Padding requests: token 0 at position 0, writing to the never-allocated scratch slot 0.
+        self.inputs[:, n:bs].zero_()
         self.attn.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

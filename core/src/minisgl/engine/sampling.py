@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..core import Req, SamplingParams, TokenLogprob
 from ..kernel import KernelSet, select_kernels
+
+if TYPE_CHECKING:
+    from .grammar import TokenMask
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -20,12 +23,6 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-class LogitsMask(Protocol):
-    """Disallowed tokens of some rows (a grammar's, :class:`~minisgl.engine.grammar.TokenMask`)."""
-
-    def apply(self, logits: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -40,13 +37,11 @@ class Sampler:
     from ``(seed, step)`` only, independent of the rest of the batch."""
 
     def __init__(self, device: torch.device, seed: int = 0, kernels: KernelSet | None = None):
-        self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.kernels = kernels or select_kernels(device, torch.float32)  # logits are sampled in float32
         self._seeds = random.Random(seed)  # seeds of the one-pass sampler, drawn on the host
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req], mask: LogitsMask | None = None) -> SampleResult:
+    def sample(self, logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleResult:
         """One token per row. ``mask``: the grammar mask of the constrained rows, applied (with each
         row's ``logit_bias``) before everything else, logprobs included."""
         biased = any(r.params.logit_bias for r in reqs)
@@ -62,37 +57,20 @@ class Sampler:
         if fused is not None and mask is None and not biased and all(_plain(r.params) for r in reqs):
             inv = [0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs]
             tokens = fused(logits, to_device(inv, torch.float32, logits.device), self._seeds.randrange(1 << 31))
-            for r in reqs:
-                r.step_seed += 1
-            return SampleResult(tokens, [None] * len(reqs))
-        logits = logits.float()
-        raw = logits
-        if any(r.params.has_penalty for r in reqs):
-            logits = self._apply_penalties(logits.clone(), reqs)
-        logprobs: list[TokenLogprob | None] = (
-            self._logprobs(raw, reqs) if any(r.params.logprobs is not None for r in reqs) else [None] * len(reqs)
-        )
-        greedy = [r.params.greedy for r in reqs]
-        if all(greedy):
-            tokens = self.kernels.argmax(logits)
+            logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         else:
-            tokens = self._sample_random(logits, reqs, greedy)
-        if any(lp is not None for lp in logprobs):
-            chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens.view(-1, 1)).view(-1).tolist()
-            ids = tokens.tolist()
-            for i, lp in enumerate(logprobs):
-                if lp is not None:
-                    lp.token_id, lp.logprob = ids[i], chosen[i]
+            raw = logits.float()
+            logits = self._apply_penalties(raw.clone(), reqs) if any(r.params.has_penalty for r in reqs) else raw
+            greedy = [r.params.greedy for r in reqs]
+            tokens = self.kernels.argmax(logits) if all(greedy) else self._sample_random(logits, reqs, greedy)
+            logprobs = self._logprobs(raw, tokens, reqs)
         for r in reqs:
             r.step_seed += 1
         return SampleResult(tokens, logprobs)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Req], greedy: list[bool]) -> torch.Tensor:
-        n, vocab = logits.shape
-        dev = logits.device
-        temps = to_device(
-            [r.params.temperature if not g else 1.0 for r, g in zip(reqs, greedy, strict=False)], torch.float32, dev
-        )
+        vocab, dev = logits.shape[1], logits.device
+        temps = to_device([1.0 if r.params.greedy else r.params.temperature for r in reqs], torch.float32, dev)
         scaled = logits / temps.view(-1, 1)
         if any(r.params.top_k > 1 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in reqs):
             scaled = self._filter(scaled, reqs)
@@ -106,14 +84,12 @@ class Sampler:
                 noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            mask = to_device(greedy, torch.bool, dev)
-            sampled = torch.where(mask, self.kernels.argmax(logits), sampled)
+            sampled = torch.where(to_device(greedy, torch.bool, dev), self.kernels.argmax(logits), sampled)
         return sampled
 
     @staticmethod
     def _filter(scaled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        dev = scaled.device
-        vocab = scaled.shape[1]
+        vocab, dev = scaled.shape[1], scaled.device
         top_k = to_device([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], torch.int64, dev)
         top_p = to_device([r.params.top_p for r in reqs], torch.float32, dev)
         min_p = to_device([r.params.min_p for r in reqs], torch.float32, dev)
@@ -155,15 +131,18 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, reqs: list[Req]) -> list[TokenLogprob | None]:
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req]) -> list[TokenLogprob | None]:
+        """The logprob of each sampled token and the top ones, from ``raw`` (before penalties), for rows that ask."""
         want = [r.params.logprobs for r in reqs]
-        k = max((w for w in want if w is not None), default=0)
-        top: list[list[tuple[int, float]]] = [[] for _ in reqs]
-        if k > 0:
-            vals, ids = torch.log_softmax(raw, dim=-1).topk(k, dim=-1)
-            top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        if all(w is None for w in want):
+            return [None] * len(reqs)
+        log_probs = torch.log_softmax(raw, dim=-1)
+        chosen = log_probs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+        vals, ids = log_probs.topk(max(w for w in want if w is not None), dim=-1)
+        top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
         return [
-            None if w is None else TokenLogprob(token_id=-1, logprob=0.0, top=top[i][:w]) for i, w in enumerate(want)
+            None if w is None else TokenLogprob(token, lp, top[i][:w])
+            for i, (w, token, lp) in enumerate(zip(want, tokens.tolist(), chosen, strict=True))
         ]
 
 

@@ -1,12 +1,9 @@
 """Page accounting: the free list, the host request-to-slot table and the prefix cache.
 
-Every usable page is free, owned by the prefix cache, or owned by one live request; page 0 is scratch
-(padded entries write there). Admission reserves each request's worst case (prompt plus
-``max_new_tokens``), so nothing is ever preempted. A request maps its prompt's longest cached prefix
-(minus the last token, whose logits start decoding) and, while running, offers its computed prompt pages
-to the cache, so a burst with a shared system prompt computes it once. The engine mirrors the table
-entries of :meth:`KVCacheManager.take_new_entries` into its device table; nothing flows back.
-"""
+Every usable page is free, owned by the prefix cache, or owned by one live request; page 0 is scratch (padded
+entries write there). Admission reserves each request's worst case (prompt plus ``max_new_tokens``), so nothing
+is ever preempted. Running requests offer their computed prompt pages to the cache, so a burst with a shared
+system prompt computes it once."""
 
 from __future__ import annotations
 
@@ -17,10 +14,6 @@ import torch
 
 from ..core import Req
 from .base import BasePrefixCache
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -41,8 +34,7 @@ class KVCacheManager:
             raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.max_reqs = max_reqs
-        self.max_seq_len = _cdiv(max_seq_len, page_size) * page_size
+        self.max_seq_len = self.pages_for(max_seq_len) * page_size
         self.cache = cache
         self.table = torch.zeros((max_reqs, self.max_seq_len), dtype=torch.int32)  # row -> token slots
         self._free_rows = list(range(max_reqs - 1, -1, -1))
@@ -71,12 +63,8 @@ class KVCacheManager:
         """Pages not on the free list (owned by requests or the prefix cache)."""
         return self.usable_pages - self.free_pages
 
-    def available_pages(self) -> int:
-        """Pages a new request may reserve: free and evictable, minus earlier reservations."""
-        return self.free_pages + self.cache.evictable_size // self.page_size - self._reserved_total
-
     def pages_for(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.page_size)
+        return -(-num_tokens // self.page_size)
 
     def fits_ever(self, req: Req) -> bool:
         """Whether ``req`` could run on an otherwise empty pool."""
@@ -84,21 +72,20 @@ class KVCacheManager:
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids`` the prefix cache could serve now (page-aligned)."""
-        for row, state in self._rows.items():
-            self._share_prefix(row, state)
+        self._share_prefixes()
         return self.cache.match_prefix(token_ids).length
 
     def try_admit(self, req: Req) -> bool:
         """Match the prompt's cached prefix, lock it and reserve the rest; False if it does not fit now."""
         if not self._free_rows:
             return False
-        for row, state in self._rows.items():
-            self._share_prefix(row, state)
+        self._share_prefixes()
         # Always compute at least the last prompt token: its logits start decoding.
         match = self.cache.match_prefix(req.input_ids[: req.prompt_len - 1])
         self.cache.lock(match.handle)
         need = self.pages_for(req.max_total_len) - match.length // self.page_size
-        if need > self.available_pages():
+        # A request may reserve pages that are free or evictable and not reserved by another.
+        if need > self.free_pages + self.cache.evictable_size // self.page_size - self._reserved_total:
             self.cache.unlock(match.handle)
             return False
         row = self._free_rows.pop()
@@ -114,32 +101,33 @@ class KVCacheManager:
         req.cached_len = match.length
         return True
 
-    def _share_prefix(self, row: int, state: _RowState) -> None:
-        """Offer a running request's computed page-aligned prompt prefix to the cache; if taken, the lock
+    def _share_prefixes(self) -> None:
+        """Offer each running request's computed page-aligned prompt prefix to the cache; if taken, the lock
         moves to it, as if matched at admission. A prompt the cache already holds in other pages (computed
         twice at once) stays the request's own: the device table already has its slots."""
-        req = state.req
-        end = min(req.cached_len, req.prompt_len)
-        end -= end % self.page_size
-        if end <= state.offered_len:
-            return
-        state.offered_len = end
-        tokens = req.input_ids[:end]
-        if self.cache.match_prefix(tokens).length != state.shared_len:
-            return
-        kept_from = self.cache.insert(tokens, self.table[row, :end].to(torch.int64))
-        if kept_from >= end:
-            return  # the cache keeps nothing (e.g. "naive"): the request keeps owning its pages
-        match = self.cache.match_prefix(tokens)
-        if kept_from != state.shared_len or match.length != end:
-            raise RuntimeError(
-                f"prefix cache {type(self.cache).__name__} broke its contract: it held {state.shared_len} tokens "
-                f"of a {end}-token insert, which returned {kept_from}, and then matched {match.length}"
-            )
-        self.cache.lock(match.handle)
-        self.cache.unlock(req.cache_handle)
-        req.cache_handle = match.handle
-        state.shared_len = end
+        for row, state in self._rows.items():
+            req = state.req
+            end = min(req.cached_len, req.prompt_len)
+            end -= end % self.page_size
+            if end <= state.offered_len:
+                continue
+            state.offered_len = end
+            tokens = req.input_ids[:end]
+            if self.cache.match_prefix(tokens).length != state.shared_len:
+                continue
+            kept_from = self.cache.insert(tokens, self.table[row, :end].to(torch.int64))
+            if kept_from >= end:
+                continue  # the cache keeps nothing (e.g. "naive"): the request keeps owning its pages
+            match = self.cache.match_prefix(tokens)
+            if kept_from != state.shared_len or match.length != end:
+                raise RuntimeError(
+                    f"prefix cache {type(self.cache).__name__} broke its contract: it held {state.shared_len} "
+                    f"tokens of a {end}-token insert, which returned {kept_from}, and then matched {match.length}"
+                )
+            self.cache.lock(match.handle)
+            self.cache.unlock(req.cache_handle)
+            req.cache_handle = match.handle
+            state.shared_len = end
 
     def allocate(self, req: Req, upto: int) -> None:
         """Make sure ``req``'s table row has slots for positions ``[0, upto)``."""
@@ -158,18 +146,15 @@ class KVCacheManager:
     def take_new_entries(self, reqs: Sequence[Req]) -> torch.Tensor | None:
         """The table entries of ``reqs`` not handed out before, as int64 ``[3, n]`` rows (row, column,
         slot), or None if there are none: what a copy of the table elsewhere lacks."""
-        spans = []
+        entries = []
         for req in reqs:
-            state = self._rows[req.table_idx]
+            row, state = req.table_idx, self._rows[req.table_idx]
             if state.alloc_len > state.taken_len:
-                spans.append((req.table_idx, state.taken_len, state.alloc_len))
+                cols = torch.arange(state.taken_len, state.alloc_len, dtype=torch.int64)
+                slots = self.table[row, state.taken_len : state.alloc_len].to(torch.int64)
+                entries.append(torch.stack([torch.full_like(cols, row), cols, slots]))
                 state.taken_len = state.alloc_len
-        if not spans:
-            return None
-        rows = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans])
-        cols = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans])
-        slots = torch.cat([self.table[r, s:e] for r, s, e in spans]).to(torch.int64)
-        return torch.stack([rows, cols, slots])
+        return torch.cat(entries, dim=1) if entries else None
 
     def _take_pages(self, n: int) -> torch.Tensor:
         if n > len(self._free_pages):

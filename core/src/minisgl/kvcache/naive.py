@@ -14,6 +14,8 @@ class NaivePrefixCache(BasePrefixCache):
     """No reuse: every match is empty and every insert is declined."""
 
     reuses_prefixes = False
+    evictable_size = 0
+    protected_size = 0
 
     def __init__(self, page_size: int, device: torch.device | str = "cpu"):
         self.page_size = page_size
@@ -32,11 +34,3 @@ class NaivePrefixCache(BasePrefixCache):
 
     def evict(self, num_tokens: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
-
-    @property
-    def evictable_size(self) -> int:
-        return 0
-
-    @property
-    def protected_size(self) -> int:
-        return 0
