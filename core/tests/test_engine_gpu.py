@@ -160,6 +160,16 @@ def test_flashinfer_greedy_agrees_with_torch(
 
 
 @needs_flashinfer
+def test_reference_kernel_set_under_cuda_graphs(model_dir: Path, reference: Reference) -> None:
+    """The plain PyTorch kernel set computes rope factors once per forward and reuses them across layers; a
+    decode graph must recompute them on every replay, not keep the ones of the capture's warm-up run."""
+    tokens, llm = _generate(model_dir, reference.prompts, attention_backend="flashinfer", kernels="torch")
+    assert llm.engine.graphs is not None and type(llm.engine.kernels).__name__ == "KernelSet"
+    llm.close()
+    _check_divergences(reference, tokens, "kernels=torch graphs=on")
+
+
+@needs_flashinfer
 @pytest.mark.parametrize("attn", ["flashinfer,torch", "torch,flashinfer", "auto"])
 def test_hybrid_and_auto_backends(model_dir: Path, reference: Reference, attn: str) -> None:
     tokens, llm = _generate(model_dir, reference.prompts, attention_backend=attn)

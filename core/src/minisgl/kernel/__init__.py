@@ -40,8 +40,9 @@ class KernelSet:
     gumbel_sample: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
 
     def __init__(self) -> None:
-        # Every layer rotates by the same positions: rope factors are computed once per forward,
-        # keyed on that positions tensor and its version (an in-place edit misses).
+        # Every layer rotates by the same positions: rope factors are computed once per forward, keyed on
+        # that positions tensor, its version (an in-place edit misses) and whether a CUDA graph is being
+        # captured (factors computed by the warm-up run must not be baked into the graph as constants).
         self._rope_factors: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
@@ -82,13 +83,20 @@ class KernelSet:
         first with ``qk_norm``); ``cos_sin[pos]`` is ``d/2`` cosines then ``d/2`` sines."""
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
         cached = self._rope_factors
-        if cached is not None and cached[0] is positions and cached[1] == positions._version and cached[2] is cos_sin:
-            cos2, sin2 = cached[3], cached[4]
+        if (
+            cached is not None
+            and cached[0] is positions
+            and cached[1] == positions._version
+            and cached[2] is cos_sin
+            and cached[3] == capturing
+        ):
+            cos2, sin2 = cached[4], cached[5]
         else:
             cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
             cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-            self._rope_factors = (positions, positions._version, cos_sin, cos2, sin2)
+            self._rope_factors = (positions, positions._version, cos_sin, capturing, cos2, sin2)
         return _rotate(q, cos2, sin2), _rotate(k, cos2, sin2)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
