@@ -8,6 +8,8 @@ export LIMIT=${LIMIT:-560}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
+# The xgrammar library is not on the H200 (its plugin is, by folder); this workload sends no grammar.
+export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 RATES=${RATES:-32}
 serve="python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning"
 run() {  # LABEL ENV...: one sweep against a server launched with that environment
@@ -22,7 +24,7 @@ for c in $TREES; do
   for src in .ab-$c/plugins/minisgl-plugin-*/src; do path=$path:$PWD/$src; done
   python3 benchmarks/dist_info.py .ab-$c "$site"
   new_only=$(python3 benchmarks/dist_info.py --new-only .ab-$c)
-  run "$c" PYTHONPATH=$path MINISGL_DISABLE_PLUGINS=$new_only MINISGL_COMMIT=$c
+  run "$c" PYTHONPATH=$path MINISGL_DISABLE_PLUGINS=${new_only:+$new_only,}$MINISGL_DISABLE_PLUGINS MINISGL_COMMIT=$c
 done
 run "${MINISGL_COMMIT:-new}-2" MINISGL_COMMIT=${MINISGL_COMMIT:-new}
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
