@@ -105,15 +105,29 @@ class StatusReporter:
             self._beat.join(2.0)
 
 
+class _Stopped(Exception):
+    """SIGTERM from the launcher, raised where the worker is."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped()
+
+
 @contextlib.contextmanager
 def worker_process(launch: bytes) -> Iterator[tuple[dict[str, Any], zmq.Context, StatusReporter]]:
-    """Run a worker's body on its decoded launch arguments: report an exception to the launcher and exit non-zero."""
+    """Run a worker's body on its decoded launch arguments: report an exception to the launcher and exit non-zero.
+    SIGTERM ends the body and the process exits normally: a process the default handler ends runs no finalizer,
+    and a multiprocessing lock it made (tqdm makes one, e.g. while a GGUF file is converted) would leak its
+    semaphore. The scheduler sets a handler of its own, which stops its loop between steps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_stopped)
     args = decode(launch)
     ctx = zmq.Context()
     reporter = StatusReporter(ctx, args["addresses"]["status"], args["name"])
     try:
         yield args, ctx, reporter
+    except _Stopped:
+        pass
     except BaseException as exc:  # every failure must reach the launcher, whatever its type
         try:
             detail = "".join(traceback.format_exception(exc))

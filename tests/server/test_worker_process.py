@@ -1,0 +1,52 @@
+"""A worker process stopped by the launcher's SIGTERM exits normally, so its finalizers run (no leaked semaphore)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import zmq
+
+from minisgl.message import WorkerStatus, decode, encode
+from minisgl.server.workers import worker_process
+
+
+def _body(launch: bytes, ready_file: str) -> None:
+    with worker_process(launch) as (_args, _ctx, _status):
+        lock = mp.get_context("spawn").Lock()  # a named semaphore, unlinked by a finalizer at a normal exit
+        Path(ready_file).write_text(str(os.getpid()))
+        while True:
+            with lock:
+                time.sleep(0.05)
+
+
+def test_sigterm_ends_a_worker_cleanly(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    status = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path / 'status.sock'}"
+    status.bind(address)
+    ready = tmp_path / "ready"
+    launch = encode({"addresses": {"status": address}, "name": "tokenizer-0"})
+    proc = mp.get_context("spawn").Process(target=_body, args=(launch, str(ready)))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(30)
+        # Killed by the default handler it would read -15, and its lock's semaphore would outlive it.
+        assert proc.exitcode == 0
+        reports = []
+        while status.poll(100):
+            reports.append(decode(status.recv()))
+        assert not [r for r in reports if isinstance(r, WorkerStatus) and r.state == "error"]
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        status.close(linger=0)
+        ctx.term()
