@@ -20,6 +20,7 @@ from minisgl.plugins import (
     PluginRegistry,
     PluginSource,
     UnknownComponentError,
+    Unsupported,
     hookimpl,
     load_plugins,
 )
@@ -87,6 +88,41 @@ def test_a_backend_that_is_not_installed_fails_even_without_a_tokenizer(llm: LLM
     engine = _engine(llm, with_backend=with_backend, grammar_backend="xgrammar")
     with pytest.raises(UnknownComponentError, match="unknown grammar backend 'xgrammar'"):
         make_grammar_backend(engine, None, [2])
+
+
+class _MissingLibrary:
+    """A plugin whose grammar backend is installed but cannot run: its library is missing."""
+
+    @staticmethod
+    def _check(device: str) -> bool:
+        raise Unsupported("the grammarlib library is not installed; pip install grammarlib")
+
+    @hookimpl
+    def minisgl_grammar_backends(self) -> list[GrammarBackendSpec]:
+        return [GrammarBackendSpec(name="broken", factory=RecordingBackend, is_supported=self._check)]
+
+
+def _broken_engine(llm: LLM, name: str) -> Any:
+    source = PluginSource("broken", _MissingLibrary())
+    registry = load_plugins(only=["builtin", "broken"], extra=[source], environ={})
+    eng = llm.engine
+    cfg = eng.config.with_changes(grammar_backend=name)
+    return types.SimpleNamespace(config=cfg, registry=registry, device=eng.device, hf_config=eng.hf_config)
+
+
+def test_auto_serves_without_grammars_when_no_installed_backend_runs(
+    llm: LLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grammar plugin without its library must not stop the server: grammars are refused, saying why."""
+    backend, why = make_grammar_backend(_broken_engine(llm, "auto"), object(), [2])
+    assert backend is None
+    assert "grammar backend 'broken'" in why and "pip install grammarlib" in why
+    assert "structured output is off" in caplog.text and "pip install grammarlib" in caplog.text
+
+
+def test_a_named_backend_that_cannot_run_fails_saying_why(llm: LLM) -> None:
+    with pytest.raises(UnknownComponentError, match="does not support device.*pip install grammarlib"):
+        make_grammar_backend(_broken_engine(llm, "broken"), object(), [2])
 
 
 def test_the_mask_holds_on_transposed_logits() -> None:

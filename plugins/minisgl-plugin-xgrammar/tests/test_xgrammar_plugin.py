@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from minisgl_plugin_xgrammar.backend import XGrammarBackend, XGrammarMask
 from minisgl.core import Req, SamplingParams, ValidationError
 from minisgl.engine.grammar import TokenMask
 from minisgl.engine.sampling import Sampler
-from minisgl.plugins import PluginRegistry, load_plugins
+from minisgl.plugins import PluginRegistry, UnknownComponentError, load_plugins
 from minisgl.testing.models import save_word_tokenizer
 
 VOCAB = 64  # tokens w3 .. w63 (ids 0-2 are special, 2 is the stop token)
@@ -47,6 +48,19 @@ def test_listed_and_picked_by_auto(registry: PluginRegistry, tokenizer: object) 
     assert [s.name for s in registry.ranked("grammar", "cpu")] == ["xgrammar"]
     assert _backend(registry, tokenizer).max_rows == 4
     assert _backend(registry, tokenizer, "xgrammar").stop_token_ids == [2]
+
+
+def test_without_the_library_it_is_unsupported_saying_what_to_install(
+    registry: PluginRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *a: None if name == "xgrammar" else find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    reason = registry.get("grammar", "xgrammar").unsupported_reason("cpu")
+    assert reason == "the xgrammar library is not installed; pip install 'xgrammar>=0.2.9'"
+    assert registry.supported("grammar", "cpu") == []
+    with pytest.raises(UnknownComponentError, match="pip install 'xgrammar"):
+        registry.pick("grammar", "xgrammar", "cpu")
 
 
 def test_loading_the_plugin_imports_no_xgrammar() -> None:

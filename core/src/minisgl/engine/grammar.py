@@ -3,6 +3,7 @@ and fills each step's :class:`TokenMask` of the constrained rows with; the sampl
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ import torch
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+logger = logging.getLogger(__name__)
 
 
 def error_field(kind: str) -> str:
@@ -54,11 +57,18 @@ def make_grammar_backend(
     engine: Engine, tokenizer: Any, stop_token_ids: Sequence[int]
 ) -> tuple[BaseGrammarBackend | None, str]:
     """The grammar backend of a scheduler on ``engine`` (``--grammar-backend``; ``auto``: the best installed), or
-    None and why grammars are refused. A backend that is not installed raises UnknownComponentError."""
-    cfg, registry = engine.config, engine.registry
+    None and why grammars are refused (under ``auto``, also when no installed backend runs here). A backend named
+    but not installed, or not usable here, raises UnknownComponentError."""
+    cfg, registry, device = engine.config, engine.registry, engine.device.type
     if cfg.grammar_backend == "auto" and not registry.names("grammar"):
         return None, "structured output needs a grammar backend plugin (the project ships minisgl-plugin-xgrammar)"
-    spec = registry.pick("grammar", cfg.grammar_backend, engine.device.type)
+    if cfg.grammar_backend == "auto" and not registry.supported("grammar", device):
+        # Installed but unusable here (its library is missing, say): serve without structured output.
+        specs = registry.specs("grammar")
+        why = "; ".join(f"{s.label}: {s.unsupported_reason(device) or 'unsupported'}" for s in specs)
+        logger.warning("structured output is off: no installed grammar backend runs on %s (%s)", device, why)
+        return None, f"structured output is off on this server: no installed grammar backend runs on {device} ({why})"
+    spec = registry.pick("grammar", cfg.grammar_backend, device)
     if tokenizer is None:
         return None, "structured output needs a tokenizer; this engine has none"
     vocab, rows = int(engine.hf_config.vocab_size), cfg.max_running_requests
