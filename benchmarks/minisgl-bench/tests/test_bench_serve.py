@@ -97,6 +97,28 @@ def test_latencies_and_throughput_match_a_known_stream() -> None:
     assert rec["request_throughput"] == pytest.approx(4 / rec["duration_s"])
 
 
+def test_each_request_is_recorded_in_start_order() -> None:
+    """``per_request``: a column per field, one entry per completed request, in start order, the TTFTs
+    those of the summary (a tail can then be traced to its arrivals and prompt lengths)."""
+
+    def script(body: dict[str, Any]) -> Reply:
+        return stream_reply(list("ab"), first_delay=0.05, gap=0.01, usage=(3, 2))
+
+    with fake_server_thread(script) as srv:
+        result = run(srv.url, one_turn(6), rate=50.0, seed=1)
+    rec = serve.summarize(result)
+    detail = rec["per_request"]
+    assert set(detail) == {"start_s", "input_tokens", "output_tokens", "ttft_ms"}
+    assert all(len(column) == 6 for column in detail.values())
+    starts = detail["start_s"]
+    assert starts == sorted(starts) and starts[0] >= 0 and starts[-1] <= rec["duration_s"]
+    assert starts[-1] > 0.01  # Poisson arrivals at 50/s: spread out, measured from the run's start
+    assert detail["input_tokens"] == [3] * 6 and detail["output_tokens"] == [2] * 6
+    ttfts = sorted((x.chunk_times[0] - x.start) * 1000 for x in result.results)
+    assert sorted(detail["ttft_ms"]) == pytest.approx(ttfts, abs=0.01)
+    assert statistics.fmean(detail["ttft_ms"]) == pytest.approx(rec["ttft_ms"]["mean"], abs=0.01)
+
+
 def test_output_tokens_come_from_usage_not_from_chunk_count() -> None:
     # Three text chunks 40 ms apart that carry nine tokens between them.
     def script(body: dict[str, Any]) -> Reply:

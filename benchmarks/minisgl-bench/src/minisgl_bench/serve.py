@@ -82,6 +82,7 @@ class RunResult:
     skipped: int
     max_in_flight: int
     client_cpu_s: float
+    t0: float = 0.0  # the run's start (perf_counter seconds): request starts are reported relative to it
 
 
 async def run_workload(
@@ -140,7 +141,7 @@ async def run_workload(
     t0 = time.perf_counter()
     await asyncio.gather(*(one(c, at, t0) for c, at in zip(work.conversations, arrivals, strict=True)))
     duration = time.perf_counter() - t0
-    return RunResult(results, duration, skipped, in_flight[1], time.process_time() - cpu0)
+    return RunResult(results, duration, skipped, in_flight[1], time.process_time() - cpu0, t0)
 
 
 def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -163,16 +164,23 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
     itl: list[float] = []
     e2e: list[float] = []
     out_tokens = in_tokens = by_usage = 0
-    for r in ok:
+    # Per request (ordered by start), to tell what a tail is made of: arrivals that bunch up, long prompts, ...
+    columns = ("start_s", "input_tokens", "output_tokens", "ttft_ms")
+    detail: dict[str, list[float | int | None]] = {k: [] for k in columns}
+    for r in sorted(ok, key=lambda r: r.start):
         if r.usage_output_tokens is not None:
             n = r.usage_output_tokens
             by_usage += 1
         else:
             n = len(r.chunk_times) if fallback == "chunks" else r.max_tokens
+        n_in = r.usage_input_tokens if r.usage_input_tokens is not None else r.drawn_input_tokens
         out_tokens += n
-        in_tokens += r.usage_input_tokens if r.usage_input_tokens is not None else r.drawn_input_tokens
+        in_tokens += n_in
         e2e.append(r.end - r.start)
         times = r.chunk_times
+        first = round((times[0] - r.start) * 1000.0, 2) if times else None
+        for key, value in zip(detail, (round(r.start - run.t0, 4), n_in, n, first), strict=True):
+            detail[key].append(value)
         if times:
             ttft.append(times[0] - r.start)
             itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
@@ -202,6 +210,7 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
         "tpot_ms": _stats_ms(tpot),
         "itl_ms": _stats_ms(itl),
         "e2e_ms": _stats_ms(e2e),
+        "per_request": detail,
     }
 
 
