@@ -3,6 +3,8 @@
 # workload (bench/PROTOCOL.md "Online serving": 256 streamed chat requests, 16 to warm up, all at
 # once then Poisson 32 and 8 req/s), then the offline workload for both. Carry .whl and .peer
 # (../shared/bench/peer/setup.sh); MINISGL_COMMIT names the commit. Results: JSON files in $OUT.
+# RATES (default "inf 32 8"), ORDER (default "peer minisgl": later runs in a call measure slower, see
+# docs/benchmarks/h200-2026-12-01-final) and OFFLINE=0 (skip the offline runs) vary it.
 set -uo pipefail
 export LIMIT=${LIMIT:-520}
 OUT=${OUT:-/tmp/out}
@@ -14,11 +16,18 @@ python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
   $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
 cat .peer/VERSION | tee -a "$OUT/log.txt"
 PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"  # never on one path with this project: both are 'minisgl'
-BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate inf 32 8 --warmup 16 --no-progress --output $OUT"
-step 300 $BENCH --label online-peer --fallback-count max-tokens --base-url http://127.0.0.1:1919 --launch-timeout 240 --launch \
-  "$PEER_ENV python3 -m minisgl --model-path .peer/model --dummy-weight --port 1919 --attention-backend fi --page-size 1 --cuda-graph-max-bs 256 --max-seq-len-override 4096"
-step 200 $BENCH --label online-minisgl --base-url http://127.0.0.1:30000 --launch-timeout 180 --launch \
-  "python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning"
-step 70 python3 -m minisgl bench offline --output "$OUT" --label offline-minisgl
-step 70 $PEER_ENV python3 .peer/offline_peer.py 1
+BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate ${RATES:-inf 32 8} --warmup 16 --no-progress --output $OUT"
+for system in ${ORDER:-peer minisgl}; do
+  if [ $system = peer ]; then
+    step 300 $BENCH --label online-peer --fallback-count max-tokens --base-url http://127.0.0.1:1919 --launch-timeout 240 --launch \
+      "$PEER_ENV python3 -m minisgl --model-path .peer/model --dummy-weight --port 1919 --attention-backend fi --page-size 1 --cuda-graph-max-bs 256 --max-seq-len-override 4096"
+  else
+    step 200 $BENCH --label online-minisgl --base-url http://127.0.0.1:30000 --launch-timeout 180 --launch \
+      "python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning"
+  fi
+done
+if [ "${OFFLINE:-1}" != 0 ]; then
+  step 70 python3 -m minisgl bench offline --output "$OUT" --label offline-minisgl
+  step 70 $PEER_ENV python3 .peer/offline_peer.py 1
+fi
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
