@@ -3,8 +3,8 @@
 # workload (bench/PROTOCOL.md "Online serving": 256 streamed chat requests, 16 to warm up, all at
 # once then Poisson 32 and 8 req/s), then the offline workload for both. Carry .whl and .peer
 # (../shared/bench/peer/setup.sh); MINISGL_COMMIT names the commit. Results: JSON files in $OUT.
-# RATES (default "inf 32 8"), ORDER (default "peer minisgl": later runs in a call measure slower, see
-# docs/benchmarks/h200-2026-12-01-final) and OFFLINE=0 (skip the offline runs) vary it.
+# RATES (default "inf 32 8"), ORDER (default "peer minisgl") and OFFLINE=0 (skip the offline runs) vary it.
+# One sweep is one draw: docs/benchmarks/h200-2026-12-01-final says how far runs of one tree spread.
 set -uo pipefail
 export LIMIT=${LIMIT:-520}
 OUT=${OUT:-/tmp/out}
