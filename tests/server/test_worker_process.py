@@ -1,7 +1,9 @@
-"""A worker process stopped by the launcher's SIGTERM exits normally, so its finalizers run (no leaked semaphore)."""
+"""Worker processes: one stopped by the launcher's SIGTERM exits normally, so its finalizers run (no leaked
+semaphore); one that reports ready has frozen its start-up objects out of the garbage collector's reach."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -45,6 +47,38 @@ def test_sigterm_ends_a_worker_cleanly(tmp_path: Path) -> None:
         while status.poll(100):
             reports.append(decode(status.recv()))
         assert not [r for r in reports if isinstance(r, WorkerStatus) and r.state == "error"]
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        status.close(linger=0)
+        ctx.term()
+
+
+def _ready_body(launch: bytes, out_file: str) -> None:
+    with worker_process(launch) as (_args, _ctx, status):
+        before = gc.get_freeze_count()
+        status.ready()
+        Path(out_file).write_text(f"{before} {gc.get_freeze_count()}")
+
+
+def test_ready_freezes_the_start_up_heap(tmp_path: Path) -> None:
+    """A full collection in a busy worker would otherwise walk every object start-up made (100-300 ms)."""
+    ctx = zmq.Context()
+    status = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path / 'status.sock'}"
+    status.bind(address)
+    out = tmp_path / "freeze"
+    launch = encode({"addresses": {"status": address}, "name": "detokenizer"})
+    proc = mp.get_context("spawn").Process(target=_ready_body, args=(launch, str(out)))
+    proc.start()
+    try:
+        proc.join(60)
+        assert proc.exitcode == 0
+        before, after = map(int, out.read_text().split())
+        assert before == 0 and after > 1000  # the modules it imported, at least
+        assert status.poll(1000)
+        report = decode(status.recv())
+        assert isinstance(report, WorkerStatus) and report.state == "ready"
     finally:
         if proc.is_alive():
             proc.kill()

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..core import ValidationError
 from ..message import GenerateReq, TokenizerLimits
 from ..utils import VERSION
+from ..utils.heap import settle_heap
 from .client import EngineClient, ServerGone, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
@@ -207,7 +208,13 @@ def create_app(
     max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
     vocab_size = int(info["vocab_size"]) if info.get("vocab_size") else None
     model = settings.model
-    tools = text or TextTools(lambda: load_model_tokenizer(model), max_model_len, vocab_size)
+
+    def load_tokenizer() -> Any:
+        tokenizer = load_model_tokenizer(model)
+        settle_heap(collect=False)  # freeze what loading made, without a full collection's pause while serving
+        return tokenizer
+
+    tools = text or TextTools(load_tokenizer, max_model_len, vocab_size)
     # The tool-call format: from the chat template, unless a serve setting names one.
     choose_parser(None, settings.tool_call_parser)  # an unknown name fails here, at start-up
     parsers: list[str] = []  # the chosen one, once known

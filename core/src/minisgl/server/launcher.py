@@ -25,6 +25,7 @@ import zmq
 from uvicorn import Config, Server
 
 from ..message import Heartbeat, WorkerStatus, decode, encode
+from ..utils.heap import settle_heap, watch_gc_pauses
 from .settings import ServeSettings
 
 logger = logging.getLogger("minisgl.server")
@@ -239,6 +240,8 @@ def serve(settings: ServeSettings, plugins: list[str]) -> int:
         from .app import create_app
 
         app = create_app(settings, launcher.addresses, info, launcher)
+        settle_heap()
+        watch_gc_pauses("api server")
         # The timeout is a backstop only: the app itself ends what is left when the grace period is over.
         graceful = max(1, int(settings.shutdown_timeout) + 5)
         config = Config(

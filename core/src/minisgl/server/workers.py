@@ -32,6 +32,7 @@ from ..message import (
     encode,
     recv_all,
 )
+from ..utils.heap import settle_heap, watch_gc_pauses
 
 
 def user_error(exc: BaseException) -> str:
@@ -70,7 +71,8 @@ class StatusReporter:
     def ready(self, info: dict[str, Any] | None = None, probe: Probe | None = None) -> None:
         """Report ready, then send a :class:`Heartbeat` (of ``probe()``) every half second from a thread of its own,
         which runs while the main thread is inside a long computation (kernels release the GIL) and stops with the
-        process, so a stopped or dead worker falls silent."""
+        process, so a stopped or dead worker falls silent. Start-up's objects are frozen first (settle_heap)."""
+        settle_heap()
         self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info or {})))
         name = f"{self.worker}-heartbeat"
         self._beat = threading.Thread(target=self._heartbeat, args=(probe,), name=name, daemon=True)
@@ -122,6 +124,7 @@ def worker_process(launch: bytes) -> Iterator[tuple[dict[str, Any], zmq.Context,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_stopped)
     args = decode(launch)
+    watch_gc_pauses(args["name"])
     ctx = zmq.Context()
     reporter = StatusReporter(ctx, args["addresses"]["status"], args["name"])
     try:

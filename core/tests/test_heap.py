@@ -1,0 +1,67 @@
+"""The server processes' garbage-collector helpers: start-up's objects frozen, long full collections reported."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from minisgl.utils.heap import watch_gc_pauses
+
+
+def test_settle_heap_freezes_what_is_alive_and_later_garbage_is_still_collected() -> None:
+    # In a process of its own: frozen objects would stay frozen in this one.
+    code = """
+import gc, weakref
+from minisgl.utils.heap import settle_heap
+
+class Node:
+    pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+garbage = cycle()  # unreachable already: the collection before the freeze frees it
+kept = [Node() for _ in range(1000)]
+assert gc.get_freeze_count() == 0
+settle_heap()
+assert garbage() is None, "the start-up collection did not run"
+assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()
+later = cycle()
+gc.collect()
+assert later() is None, "a cycle made after the freeze was not collected"
+frozen = gc.get_freeze_count()
+settle_heap(collect=False)
+assert gc.get_freeze_count() >= frozen
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+
+
+def test_a_long_full_collection_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    callback = watch_gc_pauses("scheduler-0", threshold=0.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="minisgl.server"):
+            gc.collect(1)  # a young collection is never reported
+            assert not caplog.records
+            gc.collect()
+        assert len(caplog.records) == 1
+        assert caplog.records[0].getMessage().startswith("scheduler-0: a full garbage collection paused the process")
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def test_a_short_full_collection_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
+    callback = watch_gc_pauses("api server", threshold=60.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="minisgl.server"):
+            gc.collect()
+        assert not caplog.records
+    finally:
+        gc.callbacks.remove(callback)
