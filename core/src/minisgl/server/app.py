@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..core import ValidationError
 from ..message import GenerateReq, TokenizerLimits
 from ..utils import VERSION
-from ..utils.heap import settle_heap
+from ..utils.heap import loading_quietly
 from .client import EngineClient, ServerGone, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
@@ -210,9 +210,8 @@ def create_app(
     model = settings.model
 
     def load_tokenizer() -> Any:
-        tokenizer = load_model_tokenizer(model)
-        settle_heap(collect=False)  # freeze what loading made, without a full collection's pause while serving
-        return tokenizer
+        with loading_quietly():  # in the background, while serving: no collection's pause, and frozen after
+            return load_model_tokenizer(model)
 
     tools = text or TextTools(load_tokenizer, max_model_len, vocab_size)
     # The tool-call format: from the chat template, unless a serve setting names one.

@@ -73,6 +73,7 @@ class StatusReporter:
         which runs while the main thread is inside a long computation (kernels release the GIL) and stops with the
         process, so a stopped or dead worker falls silent. Start-up's objects are frozen first (settle_heap)."""
         settle_heap()
+        watch_gc_pauses(self.worker)  # from now on: start-up's own collections are expected to be long
         self.sock.send(encode(WorkerStatus(self.worker, "ready", info=info or {})))
         name = f"{self.worker}-heartbeat"
         self._beat = threading.Thread(target=self._heartbeat, args=(probe,), name=name, daemon=True)
@@ -124,7 +125,6 @@ def worker_process(launch: bytes) -> Iterator[tuple[dict[str, Any], zmq.Context,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_stopped)
     args = decode(launch)
-    watch_gc_pauses(args["name"])
     ctx = zmq.Context()
     reporter = StatusReporter(ctx, args["addresses"]["status"], args["name"])
     try:

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger("minisgl.server")
 
 
-def settle_heap(collect: bool = True) -> None:
-    """Start-up is over: collect once (unless ``collect`` is False), then freeze every object alive (modules,
-    the model, the tokenizer) out of the collector's reach. A full collection otherwise walks all of them, some
-    300,000 objects in a process that imported torch and transformers: a pause of 100-300 ms in which the
-    process serves nothing."""
-    if collect:
-        gc.collect()
+def settle_heap() -> None:
+    """Start-up is over: collect once, then freeze every object alive (modules, the model, the tokenizer) out of
+    the collector's reach. A full collection otherwise walks all of them, some 300,000 objects in a process that
+    imported torch and transformers: a pause of 100-300 ms in which the process serves nothing."""
+    gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def loading_quietly() -> Iterator[None]:
+    """Load something big (a tokenizer, with transformers) in a process that is already serving: no collection
+    runs meanwhile (a full one would pause every thread of the process), and what loading made is frozen after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def watch_gc_pauses(process: str, threshold: float = 0.05) -> Any:
