@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
   $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
 cat .peer/VERSION | tee -a "$OUT/log.txt"
 PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"  # never on one path with this project: both are 'minisgl'
-BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate ${RATES:-inf 32 8} --warmup 16 --no-progress --output $OUT"
+BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate ${RATES:-inf 32 8} --warmup 16 --no-progress --keep-server-log --output $OUT"
 for system in ${ORDER:-peer minisgl}; do
   if [ $system = peer ]; then
     step 300 $BENCH --label online-peer --fallback-count max-tokens --base-url http://127.0.0.1:1919 --launch-timeout 240 --launch \

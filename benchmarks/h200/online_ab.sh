@@ -2,7 +2,8 @@
 # Online serving of this tree against earlier trees, one device call, same client: the protocol's online
 # workload at RATES (default: Poisson 32 req/s), each tree's `minisgl serve` launched in turn (this tree first
 # and last). Carry .whl and the trees as .ab-COMMIT (`git archive COMMIT core plugins` unpacked there); TREES
-# names their commits. Results: $OUT/online-ab-LABEL-N.json.
+# names their commits. Results: $OUT/online-ab-LABEL-N.json, and each server's log beside it (its warnings:
+# a full garbage collection over 50 ms is one).
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
 OUT=${OUT:-/tmp/out}
@@ -14,7 +15,7 @@ RATES=${RATES:-32}
 serve="python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning"
 run() {  # LABEL ENV...: one sweep against a server launched with that environment
   local label=$1; shift
-  step 150 python3 -m minisgl bench serve --tokenizer .peer/model --rate $RATES --warmup 16 --no-progress \
+  step 150 python3 -m minisgl bench serve --tokenizer .peer/model --rate $RATES --warmup 16 --no-progress --keep-server-log \
     --output "$OUT" --label "online-ab-$label" --base-url http://127.0.0.1:30000 --launch-timeout 120 \
     --launch "env $* $serve"
 }

@@ -451,6 +451,18 @@ def test_launch_starts_the_server_and_stops_its_whole_group(tmp_path: Path, monk
         s.connect(("127.0.0.1", port))
 
 
+def test_the_server_log_is_kept_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "load_decode", lambda path: words)
+    port = _free_port()
+    cmd = f"echo the server speaks; exec {sys.executable} -m minisgl_bench.serve_fake --port {port} --interval 0.001"
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--launch", cmd, "--tokenizer", "words", "--num-requests", "2"]
+    argv += ["--input-len", "4", "8", "--output-len", "3", "6", "--no-progress", "--keep-server-log"]
+    assert serve.main([*argv, "--output", str(tmp_path), "--label", "kept"]) == 0
+    record = json.loads((tmp_path / "kept.json").read_text())
+    assert record["launch"]["server_log"] == "kept.server.log"
+    assert "the server speaks" in (tmp_path / "kept.server.log").read_text()
+
+
 def test_launch_reports_a_server_that_dies_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the kept server log goes
     cmd = f"{sys.executable} -c \"import sys; print('bad flag --frobnicate'); sys.exit(3)\""

@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -267,6 +268,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--launch", default=None, metavar="CMD", help="shell command that starts the server; stopped after")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds the launched server may take to start")
+    p.add_argument(
+        "--keep-server-log",
+        action="store_true",
+        help="keep the launched server's output as LABEL.server.log next to the JSON (else kept only on errors)",
+    )
     p.add_argument("--label", default=None, help="name of the result (file name, plot legend)")
     p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
     return p
@@ -393,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                 record["launch"] = launch
                 runner.run(_bench(args, record))
             log = Path(str(launch.pop("log")))
-            if any(r["errors"] for r in record["runs"]) or record.get("warmup", {}).get("errors"):
+            if args.keep_server_log:
+                kept = Path(args.output) / f"{record['label']}.server.log"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(log, kept)
+                launch["server_log"] = kept.name
+            elif any(r["errors"] for r in record["runs"]) or record.get("warmup", {}).get("errors"):
                 print(f"server log (requests failed): {log}", file=sys.stderr)
             else:
                 log.unlink(missing_ok=True)
