@@ -3,12 +3,15 @@ semaphore); one that reports ready has frozen its start-up objects out of the ga
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -25,16 +28,28 @@ def _body(launch: bytes, ready_file: str) -> None:
                 time.sleep(0.05)
 
 
-def test_sigterm_ends_a_worker_cleanly(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _worker(tmp_path: Path, name: str, body: Callable[..., None], *args: Any) -> Iterator[tuple[Any, zmq.Socket]]:
+    """Spawn ``body(launch, *args)`` as worker ``name``; yields the process and the launcher's status socket."""
     ctx = zmq.Context()
     status = ctx.socket(zmq.PULL)
     address = f"ipc://{tmp_path / 'status.sock'}"
     status.bind(address)
-    ready = tmp_path / "ready"
-    launch = encode({"addresses": {"status": address}, "name": "tokenizer-0"})
-    proc = mp.get_context("spawn").Process(target=_body, args=(launch, str(ready)))
+    launch = encode({"addresses": {"status": address}, "name": name})
+    proc = mp.get_context("spawn").Process(target=body, args=(launch, *args))
     proc.start()
     try:
+        yield proc, status
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        status.close(linger=0)
+        ctx.term()
+
+
+def test_sigterm_ends_a_worker_cleanly(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    with _worker(tmp_path, "tokenizer-0", _body, str(ready)) as (proc, status):
         deadline = time.monotonic() + 60
         while not ready.exists():
             assert proc.is_alive() and time.monotonic() < deadline
@@ -47,11 +62,6 @@ def test_sigterm_ends_a_worker_cleanly(tmp_path: Path) -> None:
         while status.poll(100):
             reports.append(decode(status.recv()))
         assert not [r for r in reports if isinstance(r, WorkerStatus) and r.state == "error"]
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        status.close(linger=0)
-        ctx.term()
 
 
 def _ready_body(launch: bytes, out_file: str) -> None:
@@ -63,15 +73,8 @@ def _ready_body(launch: bytes, out_file: str) -> None:
 
 def test_ready_freezes_the_start_up_heap(tmp_path: Path) -> None:
     """A full collection in a busy worker would otherwise walk every object start-up made (100-300 ms)."""
-    ctx = zmq.Context()
-    status = ctx.socket(zmq.PULL)
-    address = f"ipc://{tmp_path / 'status.sock'}"
-    status.bind(address)
     out = tmp_path / "freeze"
-    launch = encode({"addresses": {"status": address}, "name": "detokenizer"})
-    proc = mp.get_context("spawn").Process(target=_ready_body, args=(launch, str(out)))
-    proc.start()
-    try:
+    with _worker(tmp_path, "detokenizer", _ready_body, str(out)) as (proc, status):
         proc.join(60)
         assert proc.exitcode == 0
         before, after = map(int, out.read_text().split())
@@ -79,8 +82,3 @@ def test_ready_freezes_the_start_up_heap(tmp_path: Path) -> None:
         assert status.poll(1000)
         report = decode(status.recv())
         assert isinstance(report, WorkerStatus) and report.state == "ready"
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        status.close(linger=0)
-        ctx.term()
