@@ -22,14 +22,16 @@ def settle_heap() -> None:
 
 @contextlib.contextmanager
 def loading_quietly() -> Iterator[None]:
-    """Load something big (a tokenizer, with transformers) in a process that is already serving: no collection
-    runs meanwhile (a full one would pause every thread of the process), and what loading made is frozen after."""
+    """Load something big (a tokenizer, with transformers) in a process that may already be serving: no collection
+    runs meanwhile (a full one would pause every thread of the process). In a process that has settled its heap,
+    what loading made is frozen too; any other process (a test's, a notebook's) keeps its collector as it was."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if gc.get_freeze_count():
+            gc.freeze()
         if enabled:
             gc.enable()
 
