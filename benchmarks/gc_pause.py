@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -52,7 +53,11 @@ def main() -> None:
         "command": f"python benchmarks/gc_pause.py --model {args.model} --rounds {args.rounds}",
         "commit": commit,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": _cpus()},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": len(os.sched_getaffinity(0)),
+        },
         "model": args.model,
         "device": str(llm.engine.device),
         "tracked_objects": tracked,
@@ -68,12 +73,6 @@ def main() -> None:
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out}")
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 if __name__ == "__main__":

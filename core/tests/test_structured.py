@@ -52,12 +52,15 @@ def llm(make_llm: Callable[..., LLM]) -> LLM:
     return make_llm(max_running_requests=8)
 
 
-def _engine(llm: LLM, *, with_backend: bool, **config: Any) -> Any:
-    """``llm``'s engine as make_grammar_backend reads it: with the recording backend installed or not."""
+def _engine(llm: LLM, *, with_backend: bool = False, plugin: object = None, **config: Any) -> Any:
+    """``llm``'s engine as make_grammar_backend reads it: with the recording backend (this module's hook), or
+    the grammar plugin ``plugin``, installed, or neither."""
     registry: PluginRegistry = llm.engine.registry
     if with_backend:
-        source = PluginSource("recording", sys.modules[__name__])  # this module's hook
-        registry = load_plugins(only=["builtin", "recording"], extra=[source], environ={})
+        plugin = sys.modules[__name__]
+    if plugin is not None:
+        source = PluginSource("grammar-test", plugin)
+        registry = load_plugins(only=["builtin", "grammar-test"], extra=[source], environ={})
     eng = llm.engine
     cfg = eng.config.with_changes(**config)
     return types.SimpleNamespace(config=cfg, registry=registry, device=eng.device, hf_config=eng.hf_config)
@@ -102,19 +105,11 @@ class _MissingLibrary:
         return [GrammarBackendSpec(name="broken", factory=RecordingBackend, is_supported=self._check)]
 
 
-def _broken_engine(llm: LLM, name: str) -> Any:
-    source = PluginSource("broken", _MissingLibrary())
-    registry = load_plugins(only=["builtin", "broken"], extra=[source], environ={})
-    eng = llm.engine
-    cfg = eng.config.with_changes(grammar_backend=name)
-    return types.SimpleNamespace(config=cfg, registry=registry, device=eng.device, hf_config=eng.hf_config)
-
-
 def test_auto_serves_without_grammars_when_no_installed_backend_runs(
     llm: LLM, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A grammar plugin without its library must not stop the server: grammars are refused, saying why."""
-    backend, why = make_grammar_backend(_broken_engine(llm, "auto"), object(), [2])
+    backend, why = make_grammar_backend(_engine(llm, plugin=_MissingLibrary(), grammar_backend="auto"), object(), [2])
     assert backend is None
     assert "grammar backend 'broken'" in why and "pip install grammarlib" in why
     assert "structured output is off" in caplog.text and "pip install grammarlib" in caplog.text
@@ -122,7 +117,7 @@ def test_auto_serves_without_grammars_when_no_installed_backend_runs(
 
 def test_a_named_backend_that_cannot_run_fails_saying_why(llm: LLM) -> None:
     with pytest.raises(UnknownComponentError, match="does not support device.*pip install grammarlib"):
-        make_grammar_backend(_broken_engine(llm, "broken"), object(), [2])
+        make_grammar_backend(_engine(llm, plugin=_MissingLibrary(), grammar_backend="broken"), object(), [2])
 
 
 def test_the_mask_holds_on_transposed_logits() -> None:
