@@ -180,7 +180,7 @@ def _trace_of(path: Path, record: dict[str, Any]) -> Path:
     kept = (record.get("launch") or {}).get("trace")
     if not kept:
         raise SystemExit(
-            f"{path}: the record has no step trace (run bench serve with --launch and --trace); pass --trace"
+            f"{path}: the record names no step trace (bench serve --launch CMD --trace); pass --trace FILE"
         )
     return path.parent / kept
 
