@@ -4,13 +4,18 @@ It streams ``/v1/chat/completions`` (or ``/v1/completions``) requests of a workl
 (``random``, the benchmark protocol's; ``shared-prefix``; ``long-prompt``; see
 ``serve_workloads``) to ``--base-url`` with arrivals all at once, Poisson at a rate,
 or at a fixed concurrency, and measures time to first token, time per output
-token, inter-token latency, end-to-end latency and throughput. ``--rate 8 32 inf``
-sweeps, one run per rate against the same server. Output tokens come from each
-stream's final usage chunk (``stream_options.include_usage``); servers that send
+token, inter-token latency, end-to-end latency, throughput and the prefix-cache hit
+rate the server reports (``usage.prompt_tokens_details.cached_tokens``). ``--rate 8 32
+inf`` sweeps, one run per rate against the same server; ``--repeat N`` runs the sweep N
+times (fresh prompts, other arrival seeds) and reports each figure's median, min and max,
+and the rate where the median TTFT p99 crosses ``--ttft-target-ms``. Output tokens come
+from each stream's final usage chunk (``stream_options.include_usage``); servers that send
 none are counted by text chunks, or by ``max_tokens`` with ``--fallback-count
-max-tokens``. Results are printed and written as JSON (machine, command, commit,
-date, server, workload, one record per run) to ``--output``; ``minisgl bench plot``
-draws throughput against p99 TTFT from such files.
+max-tokens``. ``--launch CMD`` starts the server and stops its whole process group
+however the benchmark ends (``serve_launch``); ``--trace`` asks it for its step trace.
+Results are printed and written as JSON (machine, command, commit, date, server,
+workload, one record per run, the summary) to ``--output``; ``minisgl bench plot``
+draws them.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 from .offline import _git_commit, _machine, write_record
 from .serve_client import RequestResult, Target, get_json, stream
 from .serve_launch import launched
-from .serve_summary import aggregate, crossing_rate
+from .serve_summary import HEADER, aggregate, cache_figures, crossing_rate, run_row, summary_table
 from .serve_workloads import Conversation, Workload, arrival_times, build_workload, load_decode
 
 WARMUP_ID_SEED = 1
@@ -155,30 +160,6 @@ def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
     a = np.asarray(values, dtype=np.float64) * 1000.0
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
-def _hit_rate(pairs: Sequence[tuple[int, int]]) -> float | None:
-    """sum(cached) / sum(prompt) over (cached, prompt) pairs; None without any prompt token."""
-    prompt = sum(p for _, p in pairs)
-    return sum(c for c, _ in pairs) / prompt if prompt else None
-
-
-def cache_figures(ok: Sequence[RequestResult]) -> dict[str, Any]:
-    """Prefix-cache hits reported by the server: ``usage.prompt_tokens_details.cached_tokens``.
-
-    The hit rate is sum(cached_tokens) / sum(prompt_tokens) over the requests whose usage has both;
-    it is also given for first turns and for follow-ups (later turns, which repeat their conversation
-    so far) apart, since routing that keeps a conversation on one replica shows in the latter.
-    """
-    pairs = [(r, (r.usage_cached_tokens, r.usage_input_tokens)) for r in ok]
-    known = [(r, (c, p)) for r, (c, p) in pairs if c is not None and p is not None]
-    return {
-        "requests_with_cached_tokens": len(known),
-        "cached_tokens": sum(c for _, (c, _) in known),
-        "cache_hit_rate": _hit_rate([cp for _, cp in known]),
-        "cache_hit_rate_first_turns": _hit_rate([cp for r, cp in known if r.turn == 0]),
-        "cache_hit_rate_follow_ups": _hit_rate([cp for r, cp in known if r.turn > 0]),
-    }
 
 
 def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
@@ -421,7 +402,7 @@ async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
         if failed:
             print(f"warm-up: {len(failed)} of {len(warm.results)} failed, first: {failed[0]}", file=sys.stderr)
     record["runs"] = []
-    print(_HEADER)
+    print(HEADER)
     # The whole sweep once per repeat, so that a drift of the machine spreads over every rate alike.
     plan = [(k, r, c) for k in range(args.repeat) for r in args.rate for c in (args.concurrency or [None])]
     for i, (k, rate, conc) in enumerate(plan):
@@ -439,61 +420,10 @@ async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
             **summarize(run, args.fallback_count),
         }
         record["runs"].append(rec)
-        print(_row(rec), flush=True)
+        print(run_row(rec), flush=True)
     record["summary"] = aggregate(record["runs"])
     record["ttft_p99_crossing"] = crossing_rate(record["summary"], args.ttft_target_ms)
-    print(_summary_table(record["summary"], record["ttft_p99_crossing"]))
-
-
-def _fmt(stats: dict[str, float | None], key: str) -> str:
-    v = stats[key]
-    return "-" if v is None else f"{v:.1f}"
-
-
-_HEADER = (
-    f"{'rate':>6} {'conc':>5} {'rep':>3} {'ok':>5} {'err':>4} {'dur s':>7} {'req/s':>6} {'out tok/s':>10}"
-    f" {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 ms':>17}"
-)
-
-
-def _row(r: dict[str, Any]) -> str:
-    def pair(name: str, width: int) -> str:
-        return f"{_fmt(r[name], 'p50') + ' / ' + _fmt(r[name], 'p99'):>{width}}"
-
-    return (
-        f"{r['rate']!s:>6} {r['concurrency'] or '-'!s:>5} {r['repeat']:>3} {r['completed']:>5} {r['errors']:>4}"
-        f" {r['duration_s']:>7.2f} {r['request_throughput']:>6.2f} {r['output_throughput']:>10.1f}"
-        f" {pair('ttft_ms', 17)} {pair('tpot_ms', 16)} {pair('itl_ms', 15)} {pair('e2e_ms', 17)}"
-    )
-
-
-def _spread_cell(s: dict[str, Any], digits: int = 1, scale: float = 1.0) -> str:
-    if s["median"] is None:
-        return "-"
-    m, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
-    return f"{m:.{digits}f}" if lo == hi else f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
-
-
-def _summary_table(rows: list[dict[str, Any]], crossing: dict[str, Any]) -> str:
-    """Median [min-max] over repeats of the headline figures, one line per rate, and the TTFT p99 crossing."""
-    cols = [
-        ("out tok/s", "output_throughput", 0, 1.0),
-        ("TTFT p50 ms", "ttft_p50_ms", 1, 1.0),
-        ("TTFT p99 ms", "ttft_p99_ms", 1, 1.0),
-        ("TPOT p50 ms", "tpot_p50_ms", 2, 1.0),
-        ("cache hit %", "cache_hit_rate", 1, 100.0),
-    ]
-    lines = ["", "median [min-max] over repeats:"]
-    cells = [[str(r["rate"]), str(r["concurrency"] or "-"), str(r["repeats"])] for r in rows]
-    for cell, r in zip(cells, rows, strict=True):
-        cell += [_spread_cell(r[key], digits, scale) for _, key, digits, scale in cols]
-    head = ["rate", "conc", "n", *(name for name, *_ in cols)]
-    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(head)]
-    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
-    where = f"{crossing['rate']:.2f} req/s, " if crossing["rate"] is not None else ""
-    lines.append(f"TTFT p99 crosses {crossing['threshold']:g} ms at: {where}{crossing['note']}")
-    return "\n".join(lines)
+    print(summary_table(record["summary"], record["ttft_p99_crossing"]))
 
 
 def _trace_path(args: argparse.Namespace, label: str) -> Path | None:

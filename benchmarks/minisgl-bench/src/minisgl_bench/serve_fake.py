@@ -213,7 +213,7 @@ class FakeServer:
         """One line of the step trace: every open stream decodes, the ``new`` ones (just admitted) prefill."""
         assert self.trace is not None
         n = len(self._open)
-        step = {"step": self._steps, "t": began, "kind": "mixed" if new else "decode", "reqs": n}
+        step: dict[str, Any] = {"step": self._steps, "t": began, "kind": "mixed" if new else "decode", "reqs": n}
         step.update(prefill_reqs=new, decode_reqs=n - new, tokens=n, prefill_tokens=new, running=n, waiting=0)
         step.update(free_pages=0, reserved_pages=0, host_ms=0.0, gpu_ms=None, gap_ms=gap * 1000.0, events=[])
         self.trace.write(json.dumps(step) + "\n")

@@ -1,4 +1,5 @@
-"""Distributions over repeated runs of ``minisgl bench serve``, and where a latency crosses a target.
+"""Figures of ``minisgl bench serve`` beyond one run's latencies: prefix-cache hits, distributions over
+repeated runs, where a latency crosses a target, and the tables printed.
 
 A record's ``runs`` hold one entry per run; with ``--repeat N`` each (rate, concurrency)
 has N of them. ``aggregate`` groups them and reports, for each figure of ``FIGURES``, the
@@ -14,7 +15,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .serve_client import RequestResult
 
 # figure -> the path to it inside a run's record
 FIGURES: dict[str, tuple[str, ...]] = {
@@ -95,3 +99,82 @@ def crossing_rate(
             rate = r0 + (threshold - y0) * (r1 - r0) / (y1 - y0)
             return {**out, "rate": rate, "note": f"between {r0:g}/s ({y0:.1f}) and {r1:g}/s ({y1:.1f})"}
     return {**out, "note": f"never over {threshold:g} up to {points[-1][0]:g}/s"}
+
+
+def _hit_rate(pairs: Sequence[tuple[int, int]]) -> float | None:
+    """sum(cached) / sum(prompt) over (cached, prompt) pairs; None without any prompt token."""
+    prompt = sum(p for _, p in pairs)
+    return sum(c for c, _ in pairs) / prompt if prompt else None
+
+
+def cache_figures(ok: Sequence[RequestResult]) -> dict[str, Any]:
+    """Prefix-cache hits reported by the server: ``usage.prompt_tokens_details.cached_tokens``.
+
+    The hit rate is sum(cached_tokens) / sum(prompt_tokens) over the requests whose usage has both;
+    it is also given for first turns and for follow-ups (later turns, which repeat their conversation
+    so far) apart, since routing that keeps a conversation on one replica shows in the latter.
+    """
+    pairs = [(r, (r.usage_cached_tokens, r.usage_input_tokens)) for r in ok]
+    known = [(r, (c, p)) for r, (c, p) in pairs if c is not None and p is not None]
+    return {
+        "requests_with_cached_tokens": len(known),
+        "cached_tokens": sum(c for _, (c, _) in known),
+        "cache_hit_rate": _hit_rate([cp for _, cp in known]),
+        "cache_hit_rate_first_turns": _hit_rate([cp for r, cp in known if r.turn == 0]),
+        "cache_hit_rate_follow_ups": _hit_rate([cp for r, cp in known if r.turn > 0]),
+    }
+
+
+def _fmt(stats: dict[str, float | None], key: str) -> str:
+    v = stats[key]
+    return "-" if v is None else f"{v:.1f}"
+
+
+HEADER = (
+    f"{'rate':>6} {'conc':>5} {'rep':>3} {'ok':>5} {'err':>4} {'dur s':>7} {'req/s':>6} {'out tok/s':>10}"
+    f" {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 ms':>17} {'hit %':>6}"
+)
+"""The table of runs that ``bench serve`` prints: one ``run_row`` per run."""
+
+
+def run_row(r: dict[str, Any]) -> str:
+    """One run's line of the table under ``HEADER``."""
+
+    def pair(name: str, width: int) -> str:
+        return f"{_fmt(r[name], 'p50') + ' / ' + _fmt(r[name], 'p99'):>{width}}"
+
+    return (
+        f"{r['rate']!s:>6} {r['concurrency'] or '-'!s:>5} {r['repeat']:>3} {r['completed']:>5} {r['errors']:>4}"
+        f" {r['duration_s']:>7.2f} {r['request_throughput']:>6.2f} {r['output_throughput']:>10.1f}"
+        f" {pair('ttft_ms', 17)} {pair('tpot_ms', 16)} {pair('itl_ms', 15)} {pair('e2e_ms', 17)}"
+        f" {'-' if r.get('cache_hit_rate') is None else format(100 * r['cache_hit_rate'], '.1f'):>6}"
+    )
+
+
+def _spread_cell(s: dict[str, Any], digits: int = 1, scale: float = 1.0) -> str:
+    if s["median"] is None:
+        return "-"
+    m, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
+    return f"{m:.{digits}f}" if lo == hi else f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def summary_table(rows: list[dict[str, Any]], crossing: dict[str, Any]) -> str:
+    """Median [min-max] over repeats of the headline figures, one line per rate, and the TTFT p99 crossing."""
+    cols = [
+        ("out tok/s", "output_throughput", 0, 1.0),
+        ("TTFT p50 ms", "ttft_p50_ms", 1, 1.0),
+        ("TTFT p99 ms", "ttft_p99_ms", 1, 1.0),
+        ("TPOT p50 ms", "tpot_p50_ms", 2, 1.0),
+        ("cache hit %", "cache_hit_rate", 1, 100.0),
+    ]
+    lines = ["", "median [min-max] over repeats:"]
+    cells = [[str(r["rate"]), str(r["concurrency"] or "-"), str(r["repeats"])] for r in rows]
+    for cell, r in zip(cells, rows, strict=True):
+        cell += [_spread_cell(r[key], digits, scale) for _, key, digits, scale in cols]
+    head = ["rate", "conc", "n", *(name for name, *_ in cols)]
+    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(head)]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
+    where = f"{crossing['rate']:.2f} req/s, " if crossing["rate"] is not None else ""
+    lines.append(f"TTFT p99 crosses {crossing['threshold']:g} ms at: {where}{crossing['note']}")
+    return "\n".join(lines)
