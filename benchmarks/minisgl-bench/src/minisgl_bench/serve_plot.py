@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .serve_summary import aggregate, crossing_rate, rate_value
+from .serve_summary import aggregate, crossing_line, crossing_rate, rate_value
 from .serve_trace import Timeline, read_trace, timeline
 
 KINDS = ("frontier", "sweep", "timeline")
@@ -167,12 +167,12 @@ def plot_timeline(tl: Timeline, out: Path, title: str | None = None) -> None:
         ax.grid(True, which="both", alpha=0.3)
     for begin, _, name in tl.runs:
         ax_batch.annotate(name, (begin, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="top")
-    ax_batch.legend(fontsize=7, loc="upper right")
-    ax_step.legend(fontsize=7, loc="upper right")
+    for ax in (ax_batch, ax_step):  # beside the axes, clear of the run names along the top
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.kind == "sweep":
         crossings = plot_sweep([record for _, record in loaded], out, args.ttft_target_ms, args.title)
         for label, c in crossings.items():
-            where = f"{c['rate']:.2f} req/s, " if c["rate"] is not None else ""
-            print(f"{label}: TTFT p99 crosses {args.ttft_target_ms:g} ms at {where}{c['note']}")
+            print(f"{label}: {crossing_line(c)}")
     else:
         if len(loaded) != 1:
             raise SystemExit("minisgl bench plot --kind timeline: pass one result JSON (and its --trace)")

@@ -151,6 +151,13 @@ def run_row(r: dict[str, Any]) -> str:
     )
 
 
+def crossing_line(crossing: dict[str, Any]) -> str:
+    """``crossing_rate``'s answer in words."""
+    if crossing["rate"] is None:
+        return f"TTFT p99 against {crossing['threshold']:g} ms: {crossing['note']}"
+    return f"TTFT p99 crosses {crossing['threshold']:g} ms at {crossing['rate']:.2f} req/s ({crossing['note']})"
+
+
 def _spread_cell(s: dict[str, Any], digits: int = 1, scale: float = 1.0) -> str:
     if s["median"] is None:
         return "-"
@@ -175,6 +182,5 @@ def summary_table(rows: list[dict[str, Any]], crossing: dict[str, Any]) -> str:
     widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(head)]
     lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     lines += ["  ".join(c.rjust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
-    where = f"{crossing['rate']:.2f} req/s, " if crossing["rate"] is not None else ""
-    lines.append(f"TTFT p99 crosses {crossing['threshold']:g} ms at: {where}{crossing['note']}")
+    lines.append(crossing_line(crossing))
     return "\n".join(lines)
