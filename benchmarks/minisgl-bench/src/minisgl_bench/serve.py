@@ -336,13 +336,14 @@ def _runner() -> asyncio.Runner:
 
 
 async def _model_card(target: Target) -> dict[str, Any]:
+    """The first model card of ``GET /v1/models``: its ``id`` is the model to ask for."""
     try:
-        models = await get_json(target, "/v1/models")
-        card = models["data"][0]
-        str(card["id"])
+        card = (await get_json(target, "/v1/models"))["data"][0]
+        if not isinstance(card, dict) or "id" not in card:
+            raise TypeError(f"a model card without an id: {card!r:.100}")
     except (RuntimeError, KeyError, IndexError, TypeError) as exc:
         raise SystemExit(f"minisgl bench serve: cannot learn the model name ({exc}); pass --model") from None
-    return dict(card)
+    return card
 
 
 def _local_tokenizer(card: dict[str, Any]) -> str | None:
