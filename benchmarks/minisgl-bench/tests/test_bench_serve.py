@@ -108,12 +108,13 @@ def test_each_request_is_recorded_in_start_order() -> None:
         result = run(srv.url, one_turn(6), rate=50.0, seed=1)
     rec = serve.summarize(result)
     detail = rec["per_request"]
-    assert set(detail) == {"start_s", "input_tokens", "output_tokens", "ttft_ms"}
+    assert set(detail) == {"start_s", "turn", "input_tokens", "cached_tokens", "output_tokens", "ttft_ms"}
     assert all(len(column) == 6 for column in detail.values())
     starts = detail["start_s"]
     assert starts == sorted(starts) and starts[0] >= 0 and starts[-1] <= rec["duration_s"]
     assert starts[-1] > 0.01  # Poisson arrivals at 50/s: spread out, measured from the run's start
-    assert detail["input_tokens"] == [3] * 6 and detail["output_tokens"] == [2] * 6
+    assert detail["input_tokens"] == [3] * 6 and detail["output_tokens"] == [2] * 6 and detail["turn"] == [0] * 6
+    assert detail["cached_tokens"] == [None] * 6  # the server reported no prompt_tokens_details
     ttfts = sorted((x.chunk_times[0] - x.start) * 1000 for x in result.results)
     assert sorted(detail["ttft_ms"]) == pytest.approx(ttfts, abs=0.01)
     assert statistics.fmean(detail["ttft_ms"]) == pytest.approx(rec["ttft_ms"]["mean"], abs=0.01)

@@ -12,7 +12,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": ("minisgl_bench.offline", "offline throughput (GPU protocol workload, or --workload cpu)"),
     "shared-prefix": ("minisgl_bench.shared_prefix", "prefix-cache benchmark: prompts sharing long prefixes"),
     "serve": ("minisgl_bench.serve", "online serving: a streaming client for any OpenAI-compatible server"),
-    "plot": ("minisgl_bench.serve_plot", "plot bench serve results: output tok/s against p99 TTFT"),
+    "plot": (
+        "minisgl_bench.serve_plot",
+        "plot bench serve results: throughput vs TTFT, a rate sweep, a run's timeline",
+    ),
 }
 
 

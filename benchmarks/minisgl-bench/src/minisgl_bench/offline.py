@@ -325,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-steps", type=int, default=256)
     p.add_argument("--profile", default=None, help="also profile a short run; write the op table to this file")
     p.add_argument("--label", default=None, help="name of this run in the JSON file name")
-    p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
+    p.add_argument("--output", default=".", help="directory for the JSON result (default: the current one)")
     return p
 
 

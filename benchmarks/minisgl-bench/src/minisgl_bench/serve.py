@@ -4,13 +4,18 @@ It streams ``/v1/chat/completions`` (or ``/v1/completions``) requests of a workl
 (``random``, the benchmark protocol's; ``shared-prefix``; ``long-prompt``; see
 ``serve_workloads``) to ``--base-url`` with arrivals all at once, Poisson at a rate,
 or at a fixed concurrency, and measures time to first token, time per output
-token, inter-token latency, end-to-end latency and throughput. ``--rate 8 32 inf``
-sweeps, one run per rate against the same server. Output tokens come from each
-stream's final usage chunk (``stream_options.include_usage``); servers that send
+token, inter-token latency, end-to-end latency, throughput and the prefix-cache hit
+rate the server reports (``usage.prompt_tokens_details.cached_tokens``). ``--rate 8 32
+inf`` sweeps, one run per rate against the same server; ``--repeat N`` runs the sweep N
+times (fresh prompts, other arrival seeds) and reports each figure's median, min and max,
+and the rate where the median TTFT p99 crosses ``--ttft-target-ms``. Output tokens come
+from each stream's final usage chunk (``stream_options.include_usage``); servers that send
 none are counted by text chunks, or by ``max_tokens`` with ``--fallback-count
-max-tokens``. Results are printed and written as JSON (machine, command, commit,
-date, server, workload, one record per run) to ``--output``; ``minisgl bench plot``
-draws throughput against p99 TTFT from such files.
+max-tokens``. ``--launch CMD`` starts the server and stops its whole process group
+however the benchmark ends (``serve_launch``); ``--trace`` asks it for its step trace.
+Results are printed and written as JSON (machine, command, commit, date, server,
+workload, one record per run, the summary) to ``--output``; ``minisgl bench plot``
+draws them.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import numpy as np
 from .offline import _git_commit, _machine, write_record
 from .serve_client import RequestResult, Target, get_json, stream
 from .serve_launch import launched
+from .serve_summary import HEADER, aggregate, cache_figures, crossing_rate, run_row, summary_table
 from .serve_workloads import Conversation, Workload, arrival_times, build_workload, load_decode
 
 WARMUP_ID_SEED = 1
+WARMUP_DEFAULT = 16
 ERRORS_KEPT = 5
 
 
@@ -84,6 +91,7 @@ class RunResult:
     max_in_flight: int
     client_cpu_s: float
     t0: float = 0.0  # the run's start (perf_counter seconds): request starts are reported relative to it
+    t0_unix: float = 0.0  # the same instant in unix seconds, to place the run in a server's step trace
 
 
 async def run_workload(
@@ -126,6 +134,7 @@ async def run_workload(
                 if gate is not None:
                     gate.release()
             res.max_tokens = turn.max_tokens
+            res.turn = k
             res.drawn_input_tokens = work.system_tokens + history_tokens + turn.drawn_tokens
             results.append(res)
             if progress is not None:
@@ -139,10 +148,10 @@ async def run_workload(
                 history_tokens += turn.drawn_tokens + answered
 
     cpu0 = time.process_time()
-    t0 = time.perf_counter()
+    t0_unix, t0 = time.time(), time.perf_counter()
     await asyncio.gather(*(one(c, at, t0) for c, at in zip(work.conversations, arrivals, strict=True)))
     duration = time.perf_counter() - t0
-    return RunResult(results, duration, skipped, in_flight[1], time.process_time() - cpu0, t0)
+    return RunResult(results, duration, skipped, in_flight[1], time.process_time() - cpu0, t0, t0_unix)
 
 
 def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -154,7 +163,7 @@ def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
-    """One run's record: throughput, token counts, latency statistics (ms) and errors.
+    """One run's record: throughput, token counts, latency statistics (ms), prefix-cache hits and errors.
 
     Output tokens of a request: its usage chunk's ``completion_tokens``; without one,
     its text chunks (``fallback="chunks"``) or its ``max_tokens`` (``"max-tokens"``).
@@ -166,7 +175,7 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
     e2e: list[float] = []
     out_tokens = in_tokens = by_usage = 0
     # Per request (ordered by start), to tell what a tail is made of: arrivals that bunch up, long prompts, ...
-    columns = ("start_s", "input_tokens", "output_tokens", "ttft_ms")
+    columns = ("start_s", "turn", "input_tokens", "cached_tokens", "output_tokens", "ttft_ms")
     detail: dict[str, list[float | int | None]] = {k: [] for k in columns}
     for r in sorted(ok, key=lambda r: r.start):
         if r.usage_output_tokens is not None:
@@ -180,7 +189,8 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
         e2e.append(r.end - r.start)
         times = r.chunk_times
         first = round((times[0] - r.start) * 1000.0, 2) if times else None
-        for key, value in zip(detail, (round(r.start - run.t0, 4), n_in, n, first), strict=True):
+        row = (round(r.start - run.t0, 4), r.turn, n_in, r.usage_cached_tokens, n, first)
+        for key, value in zip(detail, row, strict=True):
             detail[key].append(value)
         if times:
             ttft.append(times[0] - r.start)
@@ -195,6 +205,7 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
         "errors": len(errors),
         "error_messages": errors[:ERRORS_KEPT],
         "skipped": run.skipped,
+        "start_unix": run.t0_unix,
         "duration_s": d,
         "request_throughput": len(ok) / d if d > 0 else 0.0,
         "output_throughput": out_tokens / d if d > 0 else 0.0,
@@ -207,6 +218,7 @@ def summarize(run: RunResult, fallback: str = "chunks") -> dict[str, Any]:
         "socket_reads": sum(r.reads for r in run.results),
         "max_in_flight": run.max_in_flight,
         "client_cpu_s": run.client_cpu_s,
+        **cache_figures(ok),
         "ttft_ms": _stats_ms(ttft),
         "tpot_ms": _stats_ms(tpot),
         "itl_ms": _stats_ms(itl),
@@ -249,10 +261,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system-len", type=int, default=2048, help="shared-prefix: system prompt token ids")
     p.add_argument("--temperature", type=float, default=0.6, help="default: %(default)s")
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into every request")
-    p.add_argument("--warmup", type=int, default=16, help="untimed requests shaped like the first ones")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed requests shaped like the first ones (default: {WARMUP_DEFAULT}, or fewer when a run has fewer)",
+    )
     p.add_argument("--rate", type=_rate, nargs="+", default=[math.inf], help="requests/s (Poisson), or inf")
     p.add_argument("--concurrency", type=_positive, nargs="+", default=None, help="at most N requests in flight")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (repeat k uses SEED + k)")
+    p.add_argument(
+        "--repeat",
+        type=_positive,
+        default=1,
+        help="run the sweep N times, each with fresh prompts and other arrivals; report median, min and max",
+    )
+    p.add_argument(
+        "--ttft-target-ms",
+        type=float,
+        default=200.0,
+        help="report the rate where the median TTFT p99 crosses this (default: %(default)s)",
+    )
     p.add_argument(
         "--reuse-prompts",
         action="store_true",
@@ -269,12 +298,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--launch", default=None, metavar="CMD", help="shell command that starts the server; stopped after")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds the launched server may take to start")
     p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=60.0,
+        help="seconds the launched server has to exit after SIGTERM before SIGKILL (default: %(default)s)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --launch: append --trace-steps LABEL.trace.jsonl (beside the JSON) to the server's command",
+    )
+    p.add_argument(
         "--keep-server-log",
         action="store_true",
         help="keep the launched server's output as LABEL.server.log next to the JSON (else kept only on errors)",
     )
     p.add_argument("--label", default=None, help="name of the result (file name, plot legend)")
-    p.add_argument("--output", default="docs/benchmarks", help="directory for the JSON result")
+    p.add_argument("--output", default=".", help="directory for the JSON result (default: the current one)")
     return p
 
 
@@ -295,23 +335,38 @@ def _runner() -> asyncio.Runner:
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
-async def _model_name(target: Target) -> str:
+async def _model_card(target: Target) -> dict[str, Any]:
+    """The first model card of ``GET /v1/models``: its ``id`` is the model to ask for."""
     try:
-        models = await get_json(target, "/v1/models")
-        return str(models["data"][0]["id"])
+        card = (await get_json(target, "/v1/models"))["data"][0]
+        if not isinstance(card, dict) or "id" not in card:
+            raise TypeError(f"a model card without an id: {card!r:.100}")
     except (RuntimeError, KeyError, IndexError, TypeError) as exc:
         raise SystemExit(f"minisgl bench serve: cannot learn the model name ({exc}); pass --model") from None
+    return card
+
+
+def _local_tokenizer(card: dict[str, Any]) -> str | None:
+    """A tokenizer the server's model card names: its ``id`` or ``root``, if a local path or ``dist:NAME``."""
+    for key in ("id", "root"):
+        name = card.get(key)
+        if isinstance(name, str) and name and (name.startswith("dist:") or Path(name).exists()):
+            return name
+    return None
 
 
 async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
     from tqdm import tqdm
 
     target = Target.from_url(args.base_url, args.api_key)
-    model = args.model or await _model_name(target)
+    card = {"id": args.model} if args.model else await _model_card(target)
+    model = args.model or str(card["id"])
     server = Server(target, model, args.endpoint == "chat", args.temperature, args.extra_body, args.timeout)
-    tokenizer = args.tokenizer or (model if Path(model).exists() else None)
+    tokenizer = args.tokenizer or _local_tokenizer(card)
     if tokenizer is None:
-        raise SystemExit(f"minisgl bench serve: the server's model '{model}' is not a local path; pass --tokenizer")
+        raise SystemExit(
+            f"minisgl bench serve: the server's model '{model}' is not a local path or dist:NAME; pass --tokenizer"
+        )
     decode = load_decode(tokenizer)
 
     def workload(id_seed: int | None) -> Workload:
@@ -327,6 +382,7 @@ async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
         )
 
     work = workload(None)
+    warmup = args.warmup if args.warmup is not None else min(WARMUP_DEFAULT, len(work.conversations))
     record["server"] = {"base_url": target.url, "model": model, "endpoint": server.path}
     record["workload"] = {
         "name": work.name,
@@ -336,47 +392,62 @@ async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
         "max_tokens_total": work.max_tokens_total,
         "temperature": args.temperature,
         "tokenizer": tokenizer,
-        "warmup": args.warmup,
+        "warmup": warmup,
         "fresh_prompts_per_run": not args.reuse_prompts,
+        "repeat": args.repeat,
     }
-    if args.warmup > 0:
-        warm = await run_workload(server, workload(WARMUP_ID_SEED).first_turns(args.warmup))
+    if warmup > 0:
+        warm = await run_workload(server, workload(WARMUP_ID_SEED).first_turns(warmup))
         failed = [r.error for r in warm.results if r.error]
         record["warmup"] = {"seconds": warm.duration, "errors": len(failed), "error_messages": failed[:ERRORS_KEPT]}
         if failed:
             print(f"warm-up: {len(failed)} of {len(warm.results)} failed, first: {failed[0]}", file=sys.stderr)
     record["runs"] = []
-    print(_HEADER)
-    for i, (rate, conc) in enumerate((r, c) for r in args.rate for c in (args.concurrency or [None])):
+    print(HEADER)
+    # The whole sweep once per repeat, so that a drift of the machine spreads over every rate alike.
+    plan = [(k, r, c) for k in range(args.repeat) for r in args.rate for c in (args.concurrency or [None])]
+    for i, (k, rate, conc) in enumerate(plan):
         run_work = work if i == 0 or args.reuse_prompts else workload(WARMUP_ID_SEED + i)
+        seed = args.seed + k
         desc = f"rate {rate:g}" + (f", concurrency {conc}" if conc else "")
+        desc += f", repeat {k}" if args.repeat > 1 else ""
         with tqdm(total=run_work.num_requests, desc=desc, unit="req", leave=False, disable=args.no_progress) as bar:
-            run = await run_workload(server, run_work, rate, conc, args.seed, bar.update)
-        rec = {"rate": "inf" if math.isinf(rate) else rate, "concurrency": conc, **summarize(run, args.fallback_count)}
+            run = await run_workload(server, run_work, rate, conc, seed, bar.update)
+        rec = {
+            "rate": "inf" if math.isinf(rate) else rate,
+            "concurrency": conc,
+            "repeat": k,
+            "seed": seed,
+            **summarize(run, args.fallback_count),
+        }
         record["runs"].append(rec)
-        print(_row(rec), flush=True)
+        print(run_row(rec), flush=True)
+    record["summary"] = aggregate(record["runs"])
+    record["ttft_p99_crossing"] = crossing_rate(record["summary"], args.ttft_target_ms)
+    print(summary_table(record["summary"], record["ttft_p99_crossing"]))
 
 
-def _fmt(stats: dict[str, float | None], key: str) -> str:
-    v = stats[key]
-    return "-" if v is None else f"{v:.1f}"
+def _trace_path(args: argparse.Namespace, label: str) -> Path | None:
+    """Where ``--trace`` has the launched server write its step trace: LABEL.trace.jsonl beside the JSON."""
+    if not args.trace:
+        return None
+    if args.launch is None:
+        raise SystemExit(
+            "minisgl bench serve: --trace asks the server that --launch starts for a step trace; pass --launch CMD"
+            " (a server you start yourself writes one with: minisgl serve --trace-steps FILE)"
+        )
+    path = (Path(args.output) / f"{label}.trace.jsonl").resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # the server appends: a trace left by an earlier run must not mix in
+    return path
 
 
-_HEADER = (
-    f"{'rate':>6} {'conc':>5} {'ok':>5} {'err':>4} {'dur s':>7} {'req/s':>6} {'out tok/s':>10}"
-    f" {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 ms':>17}"
-)
-
-
-def _row(r: dict[str, Any]) -> str:
-    def pair(name: str, width: int) -> str:
-        return f"{_fmt(r[name], 'p50') + ' / ' + _fmt(r[name], 'p99'):>{width}}"
-
-    return (
-        f"{r['rate']!s:>6} {r['concurrency'] or '-'!s:>5} {r['completed']:>5} {r['errors']:>4}"
-        f" {r['duration_s']:>7.2f} {r['request_throughput']:>6.2f} {r['output_throughput']:>10.1f}"
-        f" {pair('ttft_ms', 17)} {pair('tpot_ms', 16)} {pair('itl_ms', 15)} {pair('e2e_ms', 17)}"
-    )
+def _kept_trace(path: Path) -> str | None:
+    """The trace's file name for the record (it lies beside the JSON), or None when the server wrote none."""
+    if path.is_file() and path.stat().st_size > 0:
+        return path.name
+    print(f"--trace: the launched server wrote no step trace to {path} (does it take --trace-steps?)", file=sys.stderr)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,13 +462,18 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": None,  # filled in after the runs, so that querying the GPU cannot disturb a server starting up
     }
+    trace = _trace_path(args, record["label"])
+    command = args.launch if trace is None else f"{args.launch} --trace-steps {shlex.quote(str(trace))}"
     with _runner() as runner:
-        if args.launch is None:
+        if command is None:
             runner.run(_bench(args, record))
         else:
-            with launched(args.launch, Target.from_url(args.base_url).url, args.launch_timeout) as launch:
+            url = Target.from_url(args.base_url).url
+            with launched(command, url, args.launch_timeout, args.stop_grace) as launch:
                 record["launch"] = launch
                 runner.run(_bench(args, record))
+            if trace is not None:
+                launch["trace"] = _kept_trace(trace)
             log = Path(str(launch.pop("log")))
             if args.keep_server_log:
                 kept = Path(args.output) / f"{record['label']}.server.log"

@@ -37,6 +37,10 @@ class RequestResult:
     """Arrival time of each chunk that carried output text."""
     usage_output_tokens: int | None = None
     usage_input_tokens: int | None = None
+    usage_cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the server took from its prefix cache."""
+    turn: int = 0
+    """The request's turn in its conversation (0: the first)."""
     error: str | None = None
     reads: int = 0
     """Socket reads of the response (fewer than chunks when several chunks arrive together)."""
@@ -157,6 +161,9 @@ class _SseSink:
                 self.result.usage_output_tokens = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.result.usage_input_tokens = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.result.usage_cached_tokens = details["cached_tokens"]
         for choice in event.get("choices") or ():
             text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
             if text:

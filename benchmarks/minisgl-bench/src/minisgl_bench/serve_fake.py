@@ -20,12 +20,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 DONE = b"data: [DONE]\n\n"
 
@@ -48,9 +49,14 @@ def role_event() -> bytes:
     return _event({"id": "fake", "object": "chat.completion.chunk", "choices": [choice], "usage": None})
 
 
-def usage_event(prompt_tokens: int, completion_tokens: int) -> bytes:
-    """The final chunk of ``stream_options.include_usage``: no choices, the token counts."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+def usage_event(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+    """The final chunk of ``stream_options.include_usage``: no choices, the token counts.
+
+    ``cached_tokens`` (prompt tokens served from a prefix cache) goes in ``prompt_tokens_details``.
+    """
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return _event({"id": "fake", "object": "chat.completion.chunk", "choices": [], "usage": usage})
 
 
@@ -79,7 +85,7 @@ def stream_reply(
     texts: list[str],
     first_delay: float,
     gap: float,
-    usage: tuple[int, int] | None = None,
+    usage: tuple[int, int] | tuple[int, int, int] | None = None,
     chat: bool = True,
 ) -> Reply:
     """A role chunk at once, the first text after ``first_delay``, the rest ``gap`` apart, usage, [DONE]."""
@@ -95,7 +101,9 @@ class FakeServer:
     """An asyncio HTTP server that answers completions by ``script``; counts what it sees.
 
     Without a script it decodes in steps: every ``interval`` seconds it sends one
-    one-token chunk to every open stream (all in one pass, as an engine step would).
+    one-token chunk to every open stream (all in one pass, as an engine step would),
+    and, given ``trace`` (an open text file), writes a line of the step trace for each
+    step that had streams open (the format of ``minisgl serve --trace-steps``).
     """
 
     def __init__(
@@ -105,9 +113,14 @@ class FakeServer:
         port: int = 0,
         model: str = "fake-model",
         interval: float = 0.0,
+        root: str | None = None,
+        trace: TextIO | None = None,
     ):
         self.script = script
         self.interval = interval
+        self.root = root
+        self.trace = trace
+        self._steps = 0
         # step mode: [writer, tokens left, tokens asked, finished future, chunk frame] per open stream
         self._open: list[list[Any]] = []
         self._stepper: asyncio.Task[None] | None = None
@@ -148,7 +161,8 @@ class FakeServer:
                     length = int(value)
             raw = await reader.readexactly(length) if length else b""
             if method == "GET" and path.endswith("/v1/models"):
-                await self._respond(writer, 200, json.dumps({"data": [{"id": self.model}]}).encode())
+                card = {"id": self.model, "object": "model", **({"root": self.root} if self.root else {})}
+                await self._respond(writer, 200, json.dumps({"object": "list", "data": [card]}).encode())
             elif method == "POST" and path.endswith(("/v1/chat/completions", "/v1/completions")):
                 body = json.loads(raw)
                 self.arrivals.append(time.perf_counter())
@@ -195,9 +209,28 @@ class FakeServer:
         self._open.append([writer, max_tokens, max_tokens, finished, _frame(text_event(" tok", chat))])
         await finished
 
+    def _trace_step(self, began: float, gap: float, new: int) -> None:
+        """One line of the step trace: every open stream decodes, the ``new`` ones (just admitted) prefill."""
+        assert self.trace is not None
+        n = len(self._open)
+        step: dict[str, Any] = {"step": self._steps, "t": began, "kind": "mixed" if new else "decode", "reqs": n}
+        step.update(prefill_reqs=new, decode_reqs=n - new, tokens=n, prefill_tokens=new, running=n, waiting=0)
+        step.update(free_pages=0, reserved_pages=0, host_ms=0.0, gpu_ms=None, gap_ms=gap * 1000.0, events=[])
+        self.trace.write(json.dumps(step) + "\n")
+        self.trace.flush()
+        self._steps += 1
+
     async def _step_forever(self) -> None:
+        last = time.time()
+        seen = 0  # streams opened before this step
         while True:
             await asyncio.sleep(self.interval)
+            now = time.time()
+            if self.trace is not None and self._open:
+                opened = len(self.bodies)
+                self._trace_step(now, now - last, min(opened - seen, len(self._open)))
+                seen = opened
+            last = now
             still = []
             for entry in self._open:
                 writer, left, asked, finished, frame = entry
@@ -217,9 +250,9 @@ def _frame(data: bytes) -> bytes:
 
 
 @contextmanager
-def fake_server_thread(script: Script, model: str = "fake-model") -> Iterator[FakeServer]:
+def fake_server_thread(script: Script, model: str = "fake-model", root: str | None = None) -> Iterator[FakeServer]:
     """A ``FakeServer`` running on its own event loop in a background thread, for the length of the block."""
-    server = FakeServer(script, model=model)
+    server = FakeServer(script, model=model, root=root)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
@@ -252,13 +285,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30001)
     p.add_argument("--interval", type=float, default=0.005, help="seconds between steps (0: flat out)")
+    p.add_argument("--root", default=None, help="the model card's root (what minisgl serve reports as its model)")
+    p.add_argument("--trace-steps", default=None, metavar="FILE", help="write a step trace (JSON Lines) to FILE")
     args = p.parse_args(argv)
 
-    async def serve() -> None:
-        server = FakeServer(None, args.host, args.port, interval=args.interval)
+    async def serve(trace: TextIO | None) -> None:
+        server = FakeServer(None, args.host, args.port, interval=args.interval, root=args.root, trace=trace)
         await server.start()
         print(f"fake server on {server.url}", flush=True)
         await asyncio.Event().wait()
+
+    def run(runner: asyncio.Runner) -> None:
+        if args.trace_steps is None:
+            runner.run(serve(None))
+            return
+        with open(args.trace_steps, "a") as trace:
+            header = {"trace": "minisgl-steps", "version": 1, "start": time.time(), "pid": os.getpid()}
+            header.update(model="fake-model", device="cpu", page_size=1, num_pages=0, chunked_prefill_size=0)
+            trace.write(json.dumps({**header, "max_running_requests": 0}) + "\n")
+            trace.flush()
+            runner.run(serve(trace))
 
     try:
         import uvloop
@@ -267,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(serve())
+        run(runner)
     return 0
 
 

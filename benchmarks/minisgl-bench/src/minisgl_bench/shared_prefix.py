@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV pool size on CPU")
     p.add_argument("--threads", type=int, default=2, help="CPU threads")
     p.add_argument("--label", default="shared-prefix-cpu", help="base name of the JSON and markdown files")
-    p.add_argument("--output", default="docs/benchmarks", help="directory for the results")
+    p.add_argument("--output", default=".", help="directory for the results (default: the current one)")
     return p
 
 
