@@ -150,6 +150,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tp": args.tp,
         "kernels": args.kernels,
     }
+    # Passed only when given, so the defaults stay the engine's own.
+    for name in ("quantization", "kv_cache_dtype"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
     if args.load_format == "dummy":
         kw["load_format"] = "dummy"
         kw["hf_config_path"] = args.model_config or str(CONFIG_DIR / "qwen3-0.6b.json")
@@ -315,6 +319,8 @@ def _parser() -> argparse.ArgumentParser:
         "--kernels", default="auto", help="kernel set: auto or an installed set's name (torch: plain PyTorch)"
     )
     p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--quantization", default=None, help="weight quantization method (e.g. fp8); default: the engine's")
+    p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (e.g. fp8_e4m3); default: the engine's")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (cpu workload)")
     p.add_argument("--temperature", type=float, default=None)
