@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on a lent H200: minisgl serve against Mini-SGLang's server under the protocol's online workload
+# (256 streamed chat requests, Qwen3-0.6B shapes, dummy weights), each rate REPEAT times (fresh prompts and
+# arrival seeds) so that every figure is a median with its spread; minisgl's step trace (--trace) and both
+# servers' logs kept beside the JSON. RATES (default "inf 32 8"), REPEAT (default 3), ORDER (default
+# "minisgl peer"), MODEL_CONFIG (a config.json for both; default the 0.6B one) and TAG (file-name suffix) vary it.
+# Carry .whl and .peer; MINISGL_COMMIT names the commit. Ends every server a previous call left first.
+set -uo pipefail
+export LIMIT=${LIMIT:-580}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+for pid in $(pgrep -f "minisgl (serve|--model-path)|sglang_router" || true); do kill -9 "$pid" 2>/dev/null; done
+source benchmarks/h200/setup.sh
+export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
+  $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
+MODEL=.peer/model
+if [ -n "${MODEL_CONFIG:-}" ]; then MODEL=/tmp/peer-model-$$; mkdir -p $MODEL; cp .peer/model/* $MODEL/; cp "$MODEL_CONFIG" $MODEL/config.json; fi
+PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"  # never on one path with this project: both are 'minisgl'
+BENCH="python3 -m minisgl bench serve --tokenizer $MODEL --rate ${RATES:-inf 32 8} --repeat ${REPEAT:-3} --warmup 16 --no-progress --keep-server-log --output $OUT"
+T=${TAG:+-$TAG}
+for system in ${ORDER:-minisgl peer}; do
+  if [ $system = peer ]; then
+    step 330 $BENCH --label online-peer$T --fallback-count max-tokens --base-url http://127.0.0.1:1919 --launch-timeout 240 --launch \
+      "$PEER_ENV python3 -m minisgl --model-path $MODEL --dummy-weight --port 1919 --attention-backend fi --page-size 1 --cuda-graph-max-bs 256 --max-seq-len-override 4096"
+  else
+    step 300 $BENCH --label online-minisgl$T --trace --base-url http://127.0.0.1:30000 --launch-timeout 180 --launch \
+      "python3 -m minisgl serve --model $MODEL --load-format dummy --max-model-len 4096 --port 30000 --log-level warning ${MINISGL_ARGS:-}"
+  fi
+done
+echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
