@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def test_unsupported_settings_are_refused_by_name(
     write_fp8_checkpoint(source, tmp_path, layout)
     _edit_config(tmp_path, **change)
     threads = threading.active_count()
-    with pytest.raises(ValidationError, match=rf"quantization: quantization method 'fp8': .*{message}"):
+    with pytest.raises(ValidationError, match=rf"quantization: quantization method 'fp8': .*{re.escape(message)}"):
         LLM(str(tmp_path), device="cpu")
     gc.collect()
     assert threading.active_count() == threads  # no worker left running
@@ -130,7 +131,7 @@ def test_compressed_tensors_group_settings_are_refused_by_name(float_models: dic
     group = config["quantization_config"]["config_groups"]["group_0"]
     group["input_activations"] |= {"strategy": "tensor", "dynamic": False}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValidationError, match="config_groups.group_0.input_activations .* dynamic per-token"):
+    with pytest.raises(ValidationError, match="config_groups.group_0.input_activations .* is not supported \\(dynamic per-token scales only\\)"):
         LLM(str(tmp_path), device="cpu")
 
 

@@ -55,10 +55,10 @@ class LinearBase(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.kernels = kernels or select_kernels(device, self.dtype)
+        self._build(quant or UNQUANTIZED, device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         if self.bias is not None:
             set_loader(self.bias, self.load_weight)
-        self._build(quant or UNQUANTIZED, device)
 
     def use_quant(self, quant: QuantMethod) -> None:
         """Re-create this layer's weight with ``quant`` (at build time, before loading)."""
@@ -200,7 +200,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.kernels.linear(x, self.weight, self.bias)
+            return self._linear(x, self.weight, self.bias)
         y = self._all_reduce_fp32(x)
         if y is None:
             partial = F.linear(x, self.weight) if self.quant is UNQUANTIZED else self._linear(x, self.weight, None)
