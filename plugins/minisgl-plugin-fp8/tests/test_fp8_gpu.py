@@ -22,6 +22,8 @@ from minisgl_plugin_fp8.testing import quantize_weight
 
 from minisgl.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
+import test_fp8_conformance as cpu_kit  # the CPU conformance classes, rerun below on the GPU kernels
+
 FP8_CAPABLE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not FP8_CAPABLE, reason="needs a CUDA GPU with FP8 (sm89+)")]
 
@@ -138,3 +140,19 @@ def test_bf16_and_fp8_greedy_agree_on_a_tiny_model(tmp_path) -> None:
     assert sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["none"])) >= 3
     agreed = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(*outs.values()))
     assert agreed >= 0.6 * sum(len(o) for o in outs["none"])
+
+
+class TestFP8BlockOnCuda(cpu_kit.TestFP8Block):
+    """The conformance kit on the GPU kernels (block: Triton; per tensor/channel: torch._scaled_mm)."""
+
+    device = "cuda"
+    dtype = torch.bfloat16
+    max_rel_err = 0.08  # activations quantized to FP8 per token (see the module docstring)
+
+
+class TestFP8PerTensorOnCuda(cpu_kit.TestFP8PerTensor):
+    device, dtype, max_rel_err = "cuda", torch.bfloat16, 0.08
+
+
+class TestCompressedTensorsChannelOnCuda(cpu_kit.TestCompressedTensorsChannel):
+    device, dtype, max_rel_err = "cuda", torch.bfloat16, 0.08
