@@ -13,8 +13,14 @@ import torch
 from minisgl import LLM
 from minisgl.core import ValidationError
 from minisgl.layers import UNQUANTIZED, ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minisgl.plugins import QuantizationSpec, UnknownComponentError, check_compatible, choose_quantization
-from minisgl.plugins import load_plugins, read_quantization_config
+from minisgl.plugins import (
+    QuantizationSpec,
+    UnknownComponentError,
+    check_compatible,
+    choose_quantization,
+    load_plugins,
+    read_quantization_config,
+)
 from minisgl.plugins.listing import auto_choices, to_json
 from minisgl.utils import VERSION
 
@@ -74,7 +80,12 @@ def test_listing_shows_the_methods_and_auto_leaves_them_to_the_checkpoint() -> N
     registry = load_plugins(only=["builtin"], environ={})
     rows = to_json(registry, device="cpu")["components"]["quantization"]
     none = next(r for r in rows if r["name"] == "none")
-    assert (none["plugin"], none["quant_methods"], none["devices"], none["supported"]) == ("builtin", [], ["cpu", "cuda"], True)
+    assert (none["plugin"], none["quant_methods"], none["devices"], none["supported"]) == (
+        "builtin",
+        [],
+        ["cpu", "cuda"],
+        True,
+    )
     assert "quantization" not in auto_choices(registry, "cpu")
 
 
@@ -87,7 +98,10 @@ def test_spec_fields_are_checked() -> None:
 
 def test_plugins_made_for_the_previous_api_are_incompatible() -> None:
     assert VERSION.startswith("0.3.")
-    assert check_compatible(["minisgl>=0.2,<0.3"], VERSION) == f"requires minisgl<0.3,>=0.2, but minisgl {VERSION} is installed"
+    assert (
+        check_compatible(["minisgl>=0.2,<0.3"], VERSION)
+        == f"requires minisgl<0.3,>=0.2, but minisgl {VERSION} is installed"
+    )
     assert check_compatible(["minisgl>=0.3,<0.4"], VERSION) == ""
 
 
@@ -100,7 +114,9 @@ def test_unquantized_layers_keep_their_parameters_and_matmul() -> None:
     ]
     for layer in layers:
         assert layer.quant is UNQUANTIZED
-        assert [n for n, _ in layer.named_parameters()] == (["weight", "bias"] if layer.bias is not None else ["weight"])
+        assert [n for n, _ in layer.named_parameters()] == (
+            ["weight", "bias"] if layer.bias is not None else ["weight"]
+        )
         assert layer._linear == layer.kernels.linear
         x = torch.randn(3, layer.in_features)
         layer.weight.data.normal_()

@@ -43,7 +43,9 @@ def time_call(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def paths(x: torch.Tensor, w: torch.Tensor, n: int, k: int) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
+def paths(
+    x: torch.Tensor, w: torch.Tensor, n: int, k: int
+) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
     """name -> (call, the float32 reference it approximates)."""
     wq, row_scale = quantize_rows(w)
     wq, row_scale = wq.cuda(), row_scale.cuda()
@@ -60,6 +62,7 @@ def paths(x: torch.Tensor, w: torch.Tensor, n: int, k: int) -> dict[str, tuple[C
         "block": (lambda: kernels.block_linear(x, bq, per_row, 128, None), ref_block),
         "dequant": (lambda: kernels.dequant_linear(x, bq, per_row, 128, None), ref_block),
     }
+
     # torch's own block-scaled FP8 GEMM (1x128 activations x 1x128 weights): scale_a [M, KB] and scale_b
     # [KB, N], both outer-dimension-major (the transposes of contiguous [KB, M] and [N, KB] tensors).
     def torch_block() -> torch.Tensor:

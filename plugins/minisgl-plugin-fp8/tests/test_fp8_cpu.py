@@ -131,7 +131,10 @@ def test_compressed_tensors_group_settings_are_refused_by_name(float_models: dic
     group = config["quantization_config"]["config_groups"]["group_0"]
     group["input_activations"] |= {"strategy": "tensor", "dynamic": False}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValidationError, match="config_groups.group_0.input_activations .* is not supported \\(dynamic per-token scales only\\)"):
+    with pytest.raises(
+        ValidationError,
+        match="config_groups.group_0.input_activations .* is not supported \\(dynamic per-token scales only\\)",
+    ):
         LLM(str(tmp_path), device="cpu")
 
 

@@ -12,17 +12,21 @@ Bounds, as relative Frobenius error ``||y - ref|| / ||ref||``:
 from __future__ import annotations
 
 import pytest
+import test_fp8_conformance as cpu_kit  # the CPU conformance classes, rerun below on the GPU kernels
 import torch
 from minisgl_plugin_fp8 import kernels
-from minisgl_plugin_fp8.method import FP8Method
 from minisgl_plugin_fp8.config import ONLINE, FP8Scheme
-from minisgl_plugin_fp8.reference import quantize_rows, quantize_token_groups, quantize_tokens, reference_linear
-from minisgl_plugin_fp8.reference import reference_w8a8_linear
+from minisgl_plugin_fp8.method import FP8Method
+from minisgl_plugin_fp8.reference import (
+    quantize_rows,
+    quantize_token_groups,
+    quantize_tokens,
+    reference_linear,
+    reference_w8a8_linear,
+)
 from minisgl_plugin_fp8.testing import quantize_weight
 
 from minisgl.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-import test_fp8_conformance as cpu_kit  # the CPU conformance classes, rerun below on the GPU kernels
 
 FP8_CAPABLE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not FP8_CAPABLE, reason="needs a CUDA GPU with FP8 (sm89+)")]

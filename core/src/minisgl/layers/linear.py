@@ -40,6 +40,9 @@ def _load_rows(param: nn.Parameter, part: torch.Tensor, offset: int, size: int) 
 
 
 class LinearBase(nn.Module):
+    weight: nn.Parameter  # created by the quantization method, with any scales it needs
+    _linear: LinearOp
+
     def __init__(
         self,
         in_features: int,
@@ -70,7 +73,7 @@ class LinearBase(nn.Module):
     def _build(self, quant: QuantMethod, device: torch.device | None) -> None:
         self.quant = quant
         quant.create_weights(self, self.dtype, device)
-        self._linear: LinearOp = quant.make_linear(self)
+        self._linear = quant.make_linear(self)
 
     def part_rows(self, shard_id: Any = None) -> int:
         """Rows of the full checkpoint tensor that loads as ``shard_id`` (a scale's loader expands to them)."""

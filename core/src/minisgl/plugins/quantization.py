@@ -40,7 +40,8 @@ def _installed(registry: PluginRegistry) -> str:
     rows = []
     for spec in registry.specs("quantization"):
         plugin = registry.provider("quantization", spec.name)
-        reads = f", reads quant_method {', '.join(spec.quant_methods)}" if spec.quant_methods else ""
+        methods = getattr(spec, "quant_methods", ())
+        reads = f", reads quant_method {', '.join(methods)}" if methods else ""
         rows.append(f"{spec.name} ({plugin.distribution or plugin.name}{reads})")
     return "; ".join(rows) or "none"
 

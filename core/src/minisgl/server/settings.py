@@ -157,8 +157,13 @@ def preflight(settings: ServeSettings) -> list[str]:
     """Check the settings without loading anything heavy; return the active plugin names for the workers."""
     from ..config import EngineConfig
     from ..core import ValidationError
-    from ..plugins import PluginError, UnknownComponentError, choose_quantization, load_plugins
-    from ..plugins import read_quantization_config
+    from ..plugins import (
+        PluginError,
+        UnknownComponentError,
+        choose_quantization,
+        load_plugins,
+        read_quantization_config,
+    )
 
     device = settings.device
     try:

@@ -36,8 +36,14 @@ import pytest
 import torch
 
 from ..distributed import TPInfo
-from ..layers import ColumnParallelLinear, LinearBase, QKVParallelLinear, QuantMethod, ReplicatedLinear
-from ..layers import RowParallelLinear
+from ..layers import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    QuantMethod,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from ..plugins import ComponentSpec, load_plugins, resolve
 
 TP = {"tp1": TPInfo(0, 1), "rank1of2": TPInfo(1, 2)}
@@ -86,6 +92,7 @@ class QuantMethodConformance:
             return torch.randn(out, inp, generator=gen) * inp**-0.5
 
         layer: LinearBase
+        parts: dict[Any, torch.Tensor]
         if kind == "replicated":
             layer, parts = ReplicatedLinear(192, 320, **kw), {None: weight(320, 192)}
         elif kind == "merged":

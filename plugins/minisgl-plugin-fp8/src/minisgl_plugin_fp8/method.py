@@ -75,12 +75,19 @@ class FP8Method(QuantMethod):
         layer.weight.weight_loader = layer.load_weight  # type: ignore[attr-defined]
         if self.block_k is not None:
             tp = getattr(layer, "tp", None)
-            if isinstance(layer, RowParallelLinear) and tp is not None and tp.size > 1 and layer.in_features % self.block_k:
+            if (
+                isinstance(layer, RowParallelLinear)
+                and tp is not None
+                and tp.size > 1
+                and layer.in_features % self.block_k
+            ):
                 raise ValueError(
                     f"block-wise FP8 needs each tensor-parallel rank's input size ({layer.in_features}) to be a "
                     f"multiple of the block width {self.block_k}; use a smaller --tp"
                 )
-            scale = new_param(layer.out_features, -(-layer.in_features // self.block_k), dtype=torch.float32, device=device)
+            scale = new_param(
+                layer.out_features, -(-layer.in_features // self.block_k), dtype=torch.float32, device=device
+            )
         else:
             scale = new_param(layer.out_features, dtype=torch.float32, device=device)
         scale.weight_loader = partial(self._load_scale, layer)  # type: ignore[attr-defined]

@@ -97,7 +97,9 @@ def quantize_weight(weight: torch.Tensor, layout: str) -> tuple[dict[str, torch.
     if layout in ("fp8-tensor", "ct-tensor"):
         scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12)
         q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        name, stored = ("weight_scale_inv", scale.reshape(())) if layout == "fp8-tensor" else ("weight_scale", scale.reshape(1))
+        name, stored = (
+            ("weight_scale_inv", scale.reshape(())) if layout == "fp8-tensor" else ("weight_scale", scale.reshape(1))
+        )
         return {"weight": q, name: stored.float()}, q.float() * scale
     if layout == "ct-channel":
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [out, 1]
