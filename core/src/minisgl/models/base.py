@@ -184,8 +184,8 @@ class CausalLM(nn.Module):
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
         return (
             f"; the checkpoint is quantized (quantization_config.quant_method '{method}', loaded with the "
-            f"quantization method '{self.ctx.quant.name}'): a model's linear layers must be built with "
-            "quant=ctx.quant (docs/plugin-contracts.md, section Quantization)"
+            f"quantization method '{self.ctx.quant.name}'): its scales load only into minisgl's linear layers "
+            "(LinearBase), which take them from that method (docs/plugin-contracts.md, section Quantization)"
         )
 
     def map_weight_name(self, name: str) -> tuple[str, Any]:

@@ -26,7 +26,9 @@ def fp8_gemm_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether Triton imports (asked once per process)."""
     try:
         import triton  # noqa: F401
     except ImportError:
