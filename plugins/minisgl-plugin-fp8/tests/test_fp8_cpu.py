@@ -151,3 +151,12 @@ def test_moe_checkpoints_are_refused(tmp_path: Path) -> None:
     write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "fp8-block")
     with pytest.raises(ValidationError, match="mixture-of-experts model .*experts are not supported yet"):
         LLM(str(tmp_path / "fp8"), device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel"])
+def test_tensor_parallel_ranks_load_their_shards(float_models: dict, tmp_path: Path, layout: str) -> None:
+    """tp=2 on the CPU: each rank slices the FP8 weight and its scales (block scales by 128-column blocks of
+    the row-parallel layers); the greedy tokens are those of transformers on the de-quantized weights."""
+    source, hf_model = float_models["LlamaForCausalLM", "even"]
+    state = write_fp8_checkpoint(source, tmp_path, layout)
+    assert generate(tmp_path, tp=2) == reference_tokens(hf_model, state)
