@@ -169,7 +169,7 @@ def test_listing_json(dists: dict[str, Path]) -> None:
     assert broken["error"] == "ModuleNotFoundError: No module named 'not_installed_kernel_lib'"
     ancient = plugins["ancient"]
     assert ancient["status"] == "incompatible" and ancient["provides"] == {}
-    assert ancient["error"].startswith("requires minisgl>=99, but minisgl 0.2.1 is installed: install a release of ")
+    assert ancient["error"].startswith("requires minisgl>=99, but minisgl 0.3.0 is installed: install a release of ")
     assert ancient["error"].endswith("or disable it with MINISGL_DISABLE_PLUGINS=ancient")
     good_row = next(c for c in data["components"]["attention"] if c["name"] == "good")
     assert good_row == {
@@ -211,7 +211,7 @@ def test_listing_table(dists: dict[str, Path]) -> None:
     broken = next(ln for ln in lines if ln.startswith("minisgl-plugin-broken "))
     assert broken.split()[:5] == ["minisgl-plugin-broken", "0.3", "broken", "failed", "ModuleNotFoundError:"]
     builtin = lines.index(next(ln for ln in lines if ln.startswith("minisgl ")))
-    assert lines[builtin].split() == ["minisgl", "0.2.1", "builtin", "active", "attention:", "torch"]
+    assert lines[builtin].split() == ["minisgl", "0.3.0", "builtin", "active", "attention:", "torch"]
     assert lines[builtin + 1].split() == ["kv_pool:", "mha"]
 
 

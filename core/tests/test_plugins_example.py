@@ -40,7 +40,7 @@ def test_example_declares_what_the_guide_says() -> None:
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     assert project["name"] == "minisgl-plugin-hello"
     assert project["entry-points"]["minisgl"] == {"hello": "minisgl_plugin_hello.plugin"}
-    assert "minisgl>=0.2,<0.3" in project["dependencies"]
+    assert "minisgl>=0.3,<0.4" in project["dependencies"]
 
 
 def test_listed_as_active(installed: dict[str, str]) -> None:

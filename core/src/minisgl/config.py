@@ -34,6 +34,11 @@ class EngineFields(BaseModel):
     grammar_backend: str = Field(
         "auto", description="structured-output grammar backend (e.g. xgrammar); auto = best installed"
     )
+    quantization: str = Field(
+        "auto",
+        description="how linear weights are stored (e.g. none, fp8); auto = what the checkpoint's "
+        "quantization_config names, else none; fp8 on an unquantized checkpoint quantizes at load",
+    )
     page_size: int = Field(16, ge=1, description="tokens per KV cache page")
     max_running_requests: int | None = Field(
         None, ge=1, description="most requests decoded together; default: 256 on a GPU, 64 on CPU"

@@ -20,6 +20,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "moe": ("MoEBackend", ""),
     "kernels": ("Kernels", ""),
     "grammar": ("GrammarBackend", "tokenizers>=0.19"),
+    "quantization": ("Method", ""),
     "model": ("", ""),
 }
 USAGE = {
@@ -28,6 +29,8 @@ USAGE = {
     "moe": 'Use it with `minisgl serve --moe-backend {name}` (MoE models) or `LLM(..., moe_backend="{name}")`.',
     "kernels": 'Use it with `minisgl serve --kernels {name}` or `LLM(..., kernels="{name}")`.',
     "grammar": 'Use it with `minisgl serve --grammar-backend {name}` or `LLM(..., grammar_backend="{name}")`.',
+    "quantization": 'Checkpoints whose quantization_config says `"quant_method": "{name}"` load with it; or '
+    "`minisgl serve --quantization {name}`.",
     "model": "Checkpoints whose config.json names `{architecture}` load with it: `minisgl serve --model PATH`.",
 }
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")

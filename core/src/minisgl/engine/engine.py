@@ -22,10 +22,10 @@ from ..core import Batch, TokenLogprob, ValidationError
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import select_kernels
 from ..kvcache import BaseKVPool, KVLayout
-from ..layers import ForwardContext
+from ..layers import ForwardContext, QuantMethod
 from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
 from ..moe import BaseMoEBackend
-from ..plugins import PluginRegistry, load_plugins
+from ..plugins import PluginRegistry, UnknownComponentError, choose_quantization, load_plugins
 from .graph import CudaGraphRunner
 from .sampling import Sampler
 
@@ -127,10 +127,39 @@ class Engine:
         self.moe_backend: BaseMoEBackend | None = None
         if getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0):
             self.moe_backend = reg.pick("moe", self.config.moe_backend, dev).build()
+        self.quant = self._build_quant()
+
+    def _build_quant(self) -> QuantMethod:
+        """The checkpoint's (or ``--quantization``'s) method; it refuses what it cannot load by name, here."""
+        qc = getattr(self.hf_config, "quantization_config", None)
+        if qc is not None and not isinstance(qc, dict):
+            qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+        try:
+            choice = choose_quantization(self.registry, self.config.quantization, qc or None, self.device.type)
+        except UnknownComponentError as exc:
+            raise ValidationError("quantization", str(exc)) from None
+        try:
+            quant = choice.spec.build(choice.config, self.dtype, self.device)
+        except ValueError as exc:
+            raise ValidationError("quantization", f"{choice.spec.label}: {exc}") from None
+        if self.moe_backend is not None and not quant.supports_moe:
+            raise ValidationError(
+                "quantization",
+                f"{choice.spec.label} cannot load this mixture-of-experts model ({self.architecture}): its quantized "
+                "experts are not supported yet; serve the unquantized (bf16) checkpoint instead",
+            )
+        return quant
 
     def _build_model(self) -> CausalLM:
         ctx = ModelContext(
-            self.hf_config, self.dtype, self.device, self.tp, self.comm, self.moe_backend, kernels=self.kernels
+            self.hf_config,
+            self.dtype,
+            self.device,
+            self.tp,
+            self.comm,
+            self.moe_backend,
+            kernels=self.kernels,
+            quant=self.quant,
         )
         model = self.model_spec.build(ctx)
         if not isinstance(model, CausalLM):
@@ -139,7 +168,11 @@ class Engine:
             # Drawn on the device: a 0.6B model takes seconds on the host, milliseconds on a GPU.
             gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
             for p in model.parameters():
-                p.data.normal_(0.0, 0.02, generator=gen)
+                if p.element_size() == 1:  # float8 weights: drawn in float32, then cast
+                    p.data.copy_(torch.empty(p.shape, device=self.device).normal_(0.0, 0.02, generator=gen))
+                else:
+                    p.data.normal_(0.0, 0.02, generator=gen)
+            model.process_weights_after_loading()
         else:
             assert self.source is not None
             model.load_weights(iter_weights(self.source))

@@ -4,6 +4,7 @@ from .attention import AttentionBlock, ForwardContext
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     ColumnParallelLinear,
+    LinearBase,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -12,6 +13,7 @@ from .linear import (
 )
 from .mlp import GatedMLP, activation
 from .norm import RMSNorm
+from .quant import UNQUANTIZED, LinearOp, QuantMethod, Unquantized, new_param
 from .rotary import RotaryEmbedding, rope_parameters
 
 __all__ = [
@@ -19,15 +21,21 @@ __all__ = [
     "ColumnParallelLinear",
     "ForwardContext",
     "GatedMLP",
+    "LinearBase",
+    "LinearOp",
     "ParallelLMHead",
+    "QuantMethod",
     "QKVParallelLinear",
     "RMSNorm",
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "UNQUANTIZED",
+    "Unquantized",
     "VocabParallelEmbedding",
     "activation",
     "default_loader",
+    "new_param",
     "rope_parameters",
     "set_loader",
 ]

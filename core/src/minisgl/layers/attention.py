@@ -13,6 +13,7 @@ from ..distributed import Communicator, TPInfo
 from ..kernel import KernelSet, select_kernels
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
+from .quant import QuantMethod
 from .rotary import RotaryEmbedding
 
 if TYPE_CHECKING:  # the backend is built above this floor; layers only call it
@@ -43,16 +44,18 @@ class AttentionBlock(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: KernelSet | None = None,
+        quant: QuantMethod | None = None,
     ):
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device, "kernels": kernels or select_kernels(device, dtype)}
+        lin: dict[str, Any] = {**kw, "quant": quant}  # the projections' weights follow the quantization method
         hidden, heads = config.hidden_size, config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = head_dim = getattr(config, "head_dim", None) or hidden // heads
         self.layer_id = layer_id
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, **kw)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, **lin)
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
-        self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, **kw)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, **lin)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, **kw) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, **kw) if qk_norm else None
         self.rotary = rotary  # shared by every layer: one cos/sin table per model

@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers. Each parameter's ``weight_loader(param, tensor, shard_id=None)`` copies this
 rank's slice of a full checkpoint tensor, so model files never deal with sharding. ``shard_id`` picks a part of a
 fused weight ("q"/"k"/"v", or a merged block's index); without one, a fused weight loads from one tensor holding
-every part in order (``[q; k; v]``, ``[gate; up]``, as Phi-3 stores them)."""
+every part in order (``[q; k; v]``, ``[gate; up]``, as Phi-3 stores them). A layer's
+:class:`~minisgl.layers.quant.QuantMethod` creates its weight (and any scales) and picks its matmul, once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet, select_kernels
+from .quant import UNQUANTIZED, LinearOp, QuantMethod
 
 
 def set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
@@ -38,6 +40,9 @@ def _load_rows(param: nn.Parameter, part: torch.Tensor, offset: int, size: int) 
 
 
 class LinearBase(nn.Module):
+    weight: nn.Parameter  # created by the quantization method, with any scales it needs
+    _linear: LinearOp
+
     def __init__(
         self,
         in_features: int,
@@ -47,15 +52,32 @@ class LinearBase(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         kernels: KernelSet | None = None,
+        quant: QuantMethod | None = None,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.kernels = kernels or select_kernels(device, self.dtype)
+        self._build(quant or UNQUANTIZED, device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        for param in (self.weight, self.bias):
-            if param is not None:
-                set_loader(param, self.load_weight)
-        self.kernels = kernels or select_kernels(device, self.weight.dtype)
+        if self.bias is not None:
+            set_loader(self.bias, self.load_weight)
+
+    def use_quant(self, quant: QuantMethod) -> None:
+        """Re-create this layer's weight with ``quant`` (at build time, before loading)."""
+        device = self.weight.device
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
+            delattr(self, name)  # the previous method's weight and scales
+        self._build(quant, device)
+
+    def _build(self, quant: QuantMethod, device: torch.device | None) -> None:
+        self.quant = quant
+        quant.create_weights(self, self.dtype, device)
+        self._linear = quant.make_linear(self)
+
+    def part_rows(self, shard_id: Any = None) -> int:
+        """Rows of the full checkpoint tensor that loads as ``shard_id`` (a scale's loader expands to them)."""
+        return self.out_features
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         default_loader(param, loaded)
@@ -73,7 +95,7 @@ class LinearBase(nn.Module):
             self.load_weight(param, part, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight, self.bias)
+        return self._linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -91,6 +113,9 @@ class ColumnParallelLinear(LinearBase):
         self.output_sizes = list(output_sizes)
         self.local_sizes = [tp.shard(s, "linear output size") for s in output_sizes]
         super().__init__(in_features, sum(self.local_sizes), bias, **kw)
+
+    def part_rows(self, shard_id: Any = None) -> int:
+        return sum(self.output_sizes) if shard_id is None else self.output_sizes[int(shard_id)]
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None and len(self.local_sizes) > 1:
@@ -135,6 +160,9 @@ class QKVParallelLinear(LinearBase):
         self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         super().__init__(hidden_size, q + 2 * kv, bias, **kw)
 
+    def part_rows(self, shard_id: Any = None) -> int:
+        return sum(self.full_sizes.values()) if shard_id is None else self.full_sizes[shard_id]
+
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None:
             rows = ", ".join(f"{k} {n}" for k, n in self.full_sizes.items())
@@ -161,8 +189,12 @@ class RowParallelLinear(LinearBase):
     ):
         self.tp = tp
         self.comm = comm or SingleCommunicator()
-        self._fp32_mm_ok = True  # until this torch build turns out to lack mm's out_dtype
         super().__init__(tp.shard(in_features, "linear input size"), out_features, bias, **kw)
+
+    def _build(self, quant: QuantMethod, device: torch.device | None) -> None:
+        super()._build(quant, device)
+        # Until this torch build turns out to lack mm's out_dtype; a quantized weight has its own matmul.
+        self._fp32_mm_ok = quant is UNQUANTIZED
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if param.dim() == 2:
@@ -171,10 +203,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.kernels.linear(x, self.weight, self.bias)
+            return self._linear(x, self.weight, self.bias)
         y = self._all_reduce_fp32(x)
         if y is None:
-            y = self.comm.all_reduce(F.linear(x, self.weight))
+            partial = F.linear(x, self.weight) if self.quant is UNQUANTIZED else self._linear(x, self.weight, None)
+            y = self.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def _all_reduce_fp32(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from torch import nn
 from ..distributed import Communicator, TPInfo
 from ..kernel import KernelSet, select_kernels
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .quant import QuantMethod
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -36,10 +37,11 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: KernelSet | None = None,
+        quant: QuantMethod | None = None,
     ):
         super().__init__()
         kernels = kernels or select_kernels(device, dtype)
-        kw: dict[str, Any] = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
+        kw: dict[str, Any] = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels, "quant": quant}
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], **kw)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm=comm, **kw)
         self.act = activation(act)

@@ -14,6 +14,8 @@ from torch import nn
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet, select_kernels
 from ..layers import ForwardContext, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
+from ..layers.linear import LinearBase
+from ..layers.quant import UNQUANTIZED, QuantMethod
 from ..moe import BaseMoEBackend
 
 
@@ -28,6 +30,7 @@ class ModelContext:
     comm: Communicator = SingleCommunicator()
     moe_backend: BaseMoEBackend | None = None
     kernels: KernelSet | None = None  # None: the PyTorch reference KernelSet
+    quant: QuantMethod = UNQUANTIZED  # how linear layers hold their weights (pass it to every linear layer)
 
 
 class DecoderLayer(nn.Module):
@@ -91,6 +94,28 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
         if self.tie_word_embeddings:
             self.lm_head.weight = embed.weight
+        if ctx.quant is not UNQUANTIZED:
+            self._quantize_layers(ctx.quant)
+
+    def _quantize_layers(self, quant: QuantMethod) -> None:
+        """Give each linear layer the method its checkpoint modules ask for (some stay unquantized)."""
+        for name, layer in self.named_modules():
+            if isinstance(layer, LinearBase):
+                method = quant.for_layer(self.checkpoint_modules(name))
+                if method is not layer.quant:
+                    layer.use_quant(method)
+
+    def checkpoint_modules(self, name: str) -> list[str]:
+        """The checkpoint's module names that layer ``name`` holds (``...qkv_proj`` holds q_proj, k_proj, v_proj)."""
+        dotted = f".{name}."
+        parts = [dotted.replace(fused, original)[1:-1] for fused, original, _ in self.stacked_params if fused in dotted]
+        return parts or [name]
+
+    def process_weights_after_loading(self) -> None:
+        """Let each linear layer's quantization method finish its weights (repack, de-quantize)."""
+        for layer in self.modules():
+            if isinstance(layer, LinearBase):
+                layer.quant.process_weights_after_loading(layer)
 
     @property
     def max_positions(self) -> int:
@@ -126,6 +151,7 @@ class CausalLM(nn.Module):
                 raise KeyError(
                     f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}"
                     + (f" (closest: '{close[0]}')" if close else "")
+                    + self._quantized_hint()
                     + "; if the checkpoint names a fused weight differently, map it in the model's "
                     "stacked_params or map_weight_name (docs/plugin-contracts.md, section Model)"
                 )
@@ -148,7 +174,19 @@ class CausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise KeyError(f"checkpoint is missing weights for: {shown}")
+            raise KeyError(f"checkpoint is missing weights for: {shown}{self._quantized_hint()}")
+        self.process_weights_after_loading()
+
+    def _quantized_hint(self) -> str:
+        qc = getattr(self.config, "quantization_config", None)
+        if not qc:
+            return ""
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        return (
+            f"; the checkpoint is quantized (quantization_config.quant_method '{method}', loaded with the "
+            f"quantization method '{self.ctx.quant.name}'): its scales load only into minisgl's linear layers "
+            "(LinearBase), which take them from that method (docs/plugin-contracts.md, section Quantization)"
+        )
 
     def map_weight_name(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter name, shard id or None)."""

@@ -8,4 +8,5 @@ from .registry import BUILTIN, ENTRY_POINT_GROUP, PluginInfo, PluginRegistry, Pl
 from .registry import core_version, load_plugins
 from .specs import KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
-from .specs import GrammarBackendSpec, KernelSetSpec, Unsupported, resolve
+from .specs import GrammarBackendSpec, KernelSetSpec, QuantizationSpec, Unsupported, resolve
+from .quantization import QuantChoice, choose_quantization, read_quantization_config

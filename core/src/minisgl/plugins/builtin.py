@@ -4,7 +4,7 @@ plugin's components rank above them. Factories are lazy strings: loading this mo
 from __future__ import annotations
 
 from .hookspecs import hookimpl
-from .specs import AttentionBackendSpec, KernelSetSpec, KVPoolSpec, MoEBackendSpec, PrefixCacheSpec
+from .specs import AttentionBackendSpec, KernelSetSpec, KVPoolSpec, MoEBackendSpec, PrefixCacheSpec, QuantizationSpec
 
 
 @hookimpl(trylast=True)
@@ -37,3 +37,9 @@ def minisgl_moe_backends() -> list[MoEBackendSpec]:
 def minisgl_kernel_sets() -> list[KernelSetSpec]:
     desc = "the layers' ops in plain PyTorch (the reference; any device and dtype)"
     return [KernelSetSpec(name="torch", factory="minisgl.kernel:torch_kernels", description=desc)]
+
+
+@hookimpl(trylast=True)
+def minisgl_quantization_methods() -> list[QuantizationSpec]:
+    desc = "weights in the model's dtype (checkpoints without a quantization_config)"
+    return [QuantizationSpec(name="none", factory="minisgl.layers.quant:unquantized", description=desc)]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRICT, PluginRegistry, _flag, core_version, load_plugins
-from .specs import KINDS, PluginError, UnknownComponentError
+from .specs import KINDS, PluginError, QuantizationSpec, UnknownComponentError
 
 
 def to_json(
@@ -28,6 +28,9 @@ def to_json(
             row = {"name": spec.name, "aliases": list(spec.aliases), "priority": spec.priority}
             row |= {"override": spec.override, "description": spec.description, "factory": spec.factory_ref}
             row |= {"plugin": plugin.name, "distribution": plugin.distribution}
+            if isinstance(spec, QuantizationSpec):
+                row |= {"quant_methods": list(spec.quant_methods), "devices": list(spec.devices)}
+                row |= {"dtypes": list(spec.dtypes)}
             if device:
                 reason = spec.unsupported_reason(device)
                 row |= {"supported": reason is None, "unsupported_reason": reason or ""}
@@ -68,9 +71,10 @@ def render_table(registry: PluginRegistry, device: str | None = None) -> str:
 
 
 def auto_choices(registry: PluginRegistry, device: str) -> dict[str, str]:
-    """What ``auto`` picks on ``device`` for each kind but models (before a model's own checks; ``-``: none)."""
+    """What ``auto`` picks on ``device`` for each kind but models and quantization (before a model's own checks;
+    ``-``: none)."""
     picks: dict[str, str] = {}
-    for kind in [k for k in KINDS if k != "model"]:  # a checkpoint names its architecture
+    for kind in [k for k in KINDS if k not in ("model", "quantization")]:  # a checkpoint names these
         try:
             picks[kind] = registry.ranked(kind, device)[0].name
         except UnknownComponentError:

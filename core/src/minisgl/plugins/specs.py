@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe", "kernels", "grammar"]
+Kind = Literal["model", "attention", "kv_pool", "prefix_cache", "moe", "kernels", "grammar", "quantization"]
 _LAZY_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")  # "pkg.mod:Cls.attr"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")  # names appear in "--attn fa,flashinfer"
 
@@ -167,6 +167,33 @@ class GrammarBackendSpec(ComponentSpec):
     max_rows: int)`` -> ``BaseGrammarBackend`` (``--grammar-backend NAME``), one per scheduler."""
 
     kind, noun, hook = "grammar", "grammar backend", "minisgl_grammar_backends"
+
+
+@dataclass(frozen=True)
+class QuantizationSpec(ComponentSpec):
+    """Built as ``factory(config: dict | None, dtype: torch.dtype, device: torch.device)`` -> ``QuantMethod``
+    (``--quantization NAME``): ``config`` is the checkpoint's ``quantization_config`` (None for a checkpoint
+    that is not quantized: quantize at load, or raise ``ValueError``); the factory raises ``ValueError`` naming
+    any setting it does not support. ``quant_methods``: the ``quantization_config.quant_method`` values it
+    reads (how ``auto`` finds it); ``devices`` and ``dtypes``: where it runs (activation dtypes), shown by
+    ``minisgl plugins``; ``is_supported`` may say more (a GPU generation)."""
+
+    kind, noun, hook = "quantization", "quantization method", "minisgl_quantization_methods"
+    quant_methods: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for attr in ("quant_methods", "devices", "dtypes"):
+            value = getattr(self, attr)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"QuantizationSpec.{attr} must be a tuple of strings, got {value!r}")
+
+    def unsupported_reason(self, device: str) -> str | None:
+        if device.split(":", 1)[0] not in self.devices:
+            return f"runs on {', '.join(self.devices) or 'no device'}"
+        return super().unsupported_reason(device)
 
 
 SPEC_TYPES: dict[Kind, type[ComponentSpec]] = {t.kind: t for t in ComponentSpec.__subclasses__()}

@@ -157,7 +157,13 @@ def preflight(settings: ServeSettings) -> list[str]:
     """Check the settings without loading anything heavy; return the active plugin names for the workers."""
     from ..config import EngineConfig
     from ..core import ValidationError
-    from ..plugins import PluginError, UnknownComponentError, load_plugins
+    from ..plugins import (
+        PluginError,
+        UnknownComponentError,
+        choose_quantization,
+        load_plugins,
+        read_quantization_config,
+    )
 
     device = settings.device
     try:
@@ -167,9 +173,10 @@ def preflight(settings: ServeSettings) -> list[str]:
     from ..utils.model_path import ModelPathError, parse_hub_id, resolve_model_path
 
     # A Hub id is downloaded here, once, before the workers start (they then find it cached).
+    model_dir: Path | None = None
     if not (settings.load_format == "dummy" and settings.hf_config_path) or parse_hub_id(settings.model):
         try:
-            resolve_model_path(settings.model)
+            model_dir = resolve_model_path(settings.model)
         except ModelPathError as exc:
             raise PreflightError(f"--model: {exc}") from None
     try:
@@ -194,6 +201,13 @@ def preflight(settings: ServeSettings) -> list[str]:
                 registry.get(kind, name)  # type: ignore[arg-type]
         except UnknownComponentError as exc:
             raise PreflightError(f"{flag}: {exc}") from None
+    # A checkpoint quantized in a way no installed plugin reads is refused here, naming its quant_method.
+    config_file = settings.hf_config_path or model_dir
+    quant_config = read_quantization_config(config_file) if config_file is not None else None
+    try:
+        choose_quantization(registry, settings.quantization, quant_config, target or "cpu")
+    except UnknownComponentError as exc:
+        raise PreflightError(f"--quantization: {exc}") from None
     return registry.active_plugin_names()
 
 

@@ -22,7 +22,7 @@ def write_distribution(
     version: str = "0.1.0",
     *,
     entry_points: Mapping[str, str] | None = None,
-    requires: Iterable[str] = ("minisgl>=0.2,<0.3",),
+    requires: Iterable[str] = ("minisgl>=0.3,<0.4",),
     files: Mapping[str, str] | None = None,
     group: str = "minisgl",
 ) -> Path:

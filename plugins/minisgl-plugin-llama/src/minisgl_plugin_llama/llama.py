@@ -19,7 +19,7 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, layer_id: int) -> nn.Module:
         cfg, ctx = self.config, self.ctx
         layer_kw: dict[str, Any] = {"dtype": ctx.dtype, "device": ctx.device, "kernels": ctx.kernels}
-        kw: dict[str, Any] = {"tp": ctx.tp, "comm": ctx.comm, **layer_kw}
+        kw: dict[str, Any] = {"tp": ctx.tp, "comm": ctx.comm, "quant": ctx.quant, **layer_kw}
         attn = AttentionBlock(
             cfg,
             layer_id,

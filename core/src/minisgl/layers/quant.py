@@ -1,0 +1,75 @@
+"""How a linear layer stores and multiplies its weights: a :class:`QuantMethod`, one per engine, built by a
+quantization plugin's factory (the ``quantization`` component kind, docs/plugin-contracts.md). The layer asks
+its method once, at build time, to create its parameters (with their weight loaders) and for the matmul its
+forward calls; the built-in :class:`Unquantized` method creates today's ``weight`` and returns the kernel set's
+``linear``, so an unquantized layer's forward is the one call it always was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .linear import LinearBase
+
+#: ``(x, weight, bias) -> y``: what a linear layer's forward calls, chosen once per layer.
+LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def new_param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) -> nn.Parameter:
+    """An uninitialised, frozen parameter."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class QuantMethod:
+    """The weights of every linear layer of one engine: their parameters, loaders and matmul.
+
+    A subclass overrides :meth:`create_weights` (register ``layer.weight`` and any scale tensors, each with a
+    ``weight_loader``; the layer adds ``bias`` itself), :meth:`make_linear` (the matmul the layer's forward
+    calls), and where needed :meth:`process_weights_after_loading` (repack or de-quantize once every tensor is
+    in) and :meth:`for_layer` (layers the checkpoint left unquantized). ``name`` is how messages name it.
+    """
+
+    name = "none"
+    #: Whether mixture-of-experts models can use this method (their experts are not linear layers).
+    supports_moe = True
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype | None, device: torch.device | None) -> None:
+        """Register ``layer.weight`` ``[out, in]`` in ``dtype``, loaded by the layer's ``load_weight`` (which
+        slices this rank's rows or columns of the full checkpoint tensor)."""
+        layer.weight = new_param(layer.out_features, layer.in_features, dtype=dtype, device=device)
+        layer.weight.weight_loader = layer.load_weight  # type: ignore[attr-defined]
+
+    def make_linear(self, layer: LinearBase) -> LinearOp:
+        """The layer's matmul ``(x, weight, bias) -> y``, chosen once; it may read ``layer``'s other tensors."""
+        return layer.kernels.linear
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Called once per layer after the last checkpoint tensor (or dummy weights) is in."""
+
+    def for_layer(self, checkpoint_names: Sequence[str]) -> QuantMethod:
+        """The method of the layer holding the checkpoint modules ``checkpoint_names`` (a fused layer holds
+        several: ``...q_proj``, ``...k_proj``, ``...v_proj``): this one, or :data:`UNQUANTIZED` for layers
+        the checkpoint did not quantize. Raise ``ValueError`` when only some of the parts are quantized."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Unquantized(QuantMethod):
+    """Weights in the model's dtype, multiplied by the kernel set's ``linear``: the built-in method ``none``."""
+
+
+#: The one unquantized method (it holds no state).
+UNQUANTIZED = Unquantized()
+
+
+def unquantized(config: dict[str, Any] | None, dtype: torch.dtype, device: torch.device) -> QuantMethod:
+    """The factory of the built-in method ``none``."""
+    if config is not None:
+        raise ValueError(f"the method 'none' cannot load a quantized checkpoint (quantization_config {config})")
+    return UNQUANTIZED

@@ -1,0 +1,116 @@
+"""Time each FP8 GEMM path against the bf16 matmul at Qwen3-8B's linear shapes (CUDA).
+
+    python plugins/minisgl-plugin-fp8/gpu/bench_gemm.py --out fp8-gemm.json [--m 1,16,64,256,2048,8192]
+
+Paths: ``bf16`` (``F.linear``, the unquantized baseline), ``scaled_mm`` (per-token x per-channel through
+``torch._scaled_mm``, activation quantization included), ``block`` (the Triton block kernel, 128x128 weight
+blocks, activation quantization included), ``dequant`` (de-quantize then bf16 matmul, the fallback) and
+``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
+Each is timed with CUDA events (median of ``--iters`` after ``--warmup``) and reported with TFLOP/s
+(``2 M N K`` per call) and its relative error against float32 of the de-quantized weights. Prints a table
+and writes JSON (machine, torch version, rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from minisgl_plugin_fp8 import kernels
+from minisgl_plugin_fp8.reference import quantize_rows, quantize_token_groups, reference_linear
+from minisgl_plugin_fp8.testing import quantize_weight
+
+# Qwen3-8B: hidden 4096, 32 q heads and 8 KV heads of 128, intermediate 12288. (name, N, K)
+SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096), ("down_proj", 4096, 12288)]
+
+
+def time_call(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn`` on the current stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def paths(
+    x: torch.Tensor, w: torch.Tensor, n: int, k: int
+) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
+    """name -> (call, the float32 reference it approximates)."""
+    wq, row_scale = quantize_rows(w)
+    wq, row_scale = wq.cuda(), row_scale.cuda()
+    parts, _ = quantize_weight(w, "fp8-block")
+    bq = parts["weight"].cuda()
+    block_scale = parts["weight_scale_inv"].cuda()
+    per_row = block_scale.repeat_interleave(128, 0)[:n].contiguous()
+    w_bf16 = w.to(torch.bfloat16).cuda()
+    ref_channel = reference_linear(x, wq, row_scale, None, None)
+    ref_block = reference_linear(x, bq, per_row, 128, None)
+    found = {
+        "bf16": (lambda: F.linear(x, w_bf16), x.float() @ w_bf16.float().t()),
+        "scaled_mm": (lambda: kernels.scaled_mm_linear(x, wq, row_scale, None), ref_channel),
+        "block": (lambda: kernels.block_linear(x, bq, per_row, 128, None), ref_block),
+        "dequant": (lambda: kernels.dequant_linear(x, bq, per_row, 128, None), ref_block),
+    }
+
+    # torch's own block-scaled FP8 GEMM (1x128 activations x 1x128 weights): scale_a [M, KB] and scale_b
+    # [KB, N], both outer-dimension-major (the transposes of contiguous [KB, M] and [N, KB] tensors).
+    def torch_block() -> torch.Tensor:
+        q, s = quantize_token_groups(x, 128)
+        a_scale = s.t().contiguous().t()
+        return torch._scaled_mm(q[:, :k], bq.t(), scale_a=a_scale, scale_b=per_row.t(), out_dtype=torch.bfloat16)
+
+    try:
+        torch_block()
+        found["scaled_mm_1x128"] = (torch_block, ref_block)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        print(f"scaled_mm_1x128 unavailable at N={n} K={k}: {str(exc).splitlines()[0][:160]}")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--m", default="1,16,64,256,2048,8192", help="token counts, comma-separated")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    rows = []
+    print(f"{'shape':14} {'M':>5} {'path':16} {'ms':>9} {'TFLOP/s':>8} {'rel err':>8}")
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k) * k**-0.5
+        for m in [int(v) for v in args.m.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for path, (call, ref) in paths(x, w, n, k).items():
+                ms = time_call(call, args.warmup, args.iters)
+                err = float((call().float() - ref).norm() / ref.norm())
+                tflops = 2 * m * n * k / (ms * 1e-3) / 1e12
+                rows.append({"shape": name, "m": m, "n": n, "k": k, "path": path, "ms": ms, "tflops": tflops})
+                rows[-1]["rel_err"] = err
+                print(f"{name:14} {m:5d} {path:16} {ms:9.4f} {tflops:8.1f} {err:8.4f}")
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""FP8 weights for minisgl: the quantization method ``fp8`` (docs in the README)."""

@@ -1,0 +1,202 @@
+"""FP8 matmuls on CUDA. Each takes ``x`` ``[..., K]`` in the model's dtype, the float8 weight ``[N, K]`` and its
+per-row scales (``[N]``, or ``[N, ceil(K / block_k)]`` for block scales), quantizes ``x`` dynamically and returns
+``[..., N]`` in ``x``'s dtype:
+
+- :func:`scaled_mm_linear`: per-token x per-channel scales through ``torch._scaled_mm`` (cuBLASLt's row-wise
+  scaled FP8 GEMM; Hopper and Ada, K and N multiples of 16);
+- :func:`block_linear`: per-(token, block_k columns) x per-(row, block_k columns) scales in a Triton kernel;
+- :func:`dequant_linear`: the fallback that always applies: de-quantize the weight, then the ordinary matmul.
+
+Triton is imported on first use only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .reference import FP8, FP8_MAX, dequantize, quantize_token_groups, quantize_tokens
+
+
+def fp8_gemm_capable(device: torch.device) -> bool:
+    """Whether the GPU has FP8 tensor cores (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports (asked once per process)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def scaled_mm_supports(in_features: int, out_features: int) -> bool:
+    """cuBLASLt's FP8 GEMM needs both the reduction and the output dimension to be multiples of 16."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ (weight * scale).T + bias`` with ``x`` quantized per token; ``scale``: ``[N]`` float32."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = quant_tokens(x2)
+    # weight is [N, K] row-major, so weight.t() is the column-major [K, N] operand cuBLASLt wants.
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+    y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def dequant_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """De-quantize the weight to ``x``'s dtype on every call (it stays FP8 in memory), then ``F.linear``."""
+    return F.linear(x, dequantize(weight, scale, block_k, x.dtype), bias)
+
+
+def quant_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 of ``x`` ``[M, K]``: one fused Triton kernel when Triton is there, else PyTorch ops."""
+    if not triton_available() or not x.is_cuda:
+        return quantize_tokens(x)
+    return _triton_quant(x, None)
+
+
+def quant_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-``group``-columns FP8 of ``x`` ``[M, K]`` (columns padded to whole groups)."""
+    if not triton_available() or not x.is_cuda:
+        return quantize_token_groups(x, group)
+    return _triton_quant(x, group)
+
+
+def _triton_quant(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = _kernels()["quant"]
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    width = k if group is None else group
+    blocks = 1 if group is None else -(-k // group)
+    q = torch.empty((m, width * blocks), dtype=FP8, device=x.device)
+    s = torch.empty((m, blocks), dtype=torch.float32, device=x.device)
+    if m:
+        block = max(16, 1 << (width - 1).bit_length())
+        warps = 8 if block >= 4096 else 4
+        kernel[(m, blocks)](x, q, s, k, width, x.stride(0), q.stride(0), FP8_MAX, BLOCK=block, num_warps=warps)
+    return q, s
+
+
+def block_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` with block scales: ``scale`` ``[N, ceil(K / block_k)]``, ``x``
+    quantized per token and ``block_k`` columns; one Triton kernel accumulates each k block in float32 and
+    applies both scales to it."""
+    kernel = _kernels()["block_gemm"]
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], weight.shape[0]
+    q, s = quant_token_groups(x2, block_k)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 1024 else 128
+        block_n = 64 if m <= 64 else 128
+        grid = (triton_cdiv(m, block_m), triton_cdiv(n, block_n))
+        kernel[grid](
+            q,
+            s,
+            weight,
+            scale,
+            y,
+            bias if bias is not None else y,
+            m,
+            n,
+            k,
+            q.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            s.stride(0),
+            scale.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=4 if block_m * block_n <= 64 * 128 else 8,
+            num_stages=3,
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    """Compile-on-first-use Triton kernels (one set per process)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quant(x_ptr, q_ptr, s_ptr, K, WIDTH, stride_x, stride_q, fp8_max, BLOCK: tl.constexpr):
+        """One program per (row, column group): scale = amax / fp8_max, q = x / scale (padding stays 0)."""
+        row, grp = tl.program_id(0), tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < WIDTH
+        k = grp * WIDTH + cols
+        x = tl.load(x_ptr + row * stride_x + k, mask=inside & (k < K), other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, 1e-12)
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        tl.store(q_ptr + row * stride_q + grp * WIDTH + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
+        tl.store(s_ptr + row * tl.num_programs(1) + grp, scale)
+
+    @triton.jit
+    def block_gemm(
+        a_ptr,
+        as_ptr,
+        b_ptr,
+        bs_ptr,
+        c_ptr,
+        bias_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_bn,
+        stride_cm,
+        stride_asm,
+        stride_bsn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """C[m, n] = sum over k blocks of (A_blk @ B_blk.T) * a_scale[m, kb] * b_scale[n, kb]."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of B.T
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            a_s = tl.load(as_ptr + offs_m * stride_asm + kb, mask=m_ok, other=0.0)
+            b_s = tl.load(bs_ptr + offs_n * stride_bsn + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    return {"quant": quant, "block_gemm": block_gemm}
