@@ -136,7 +136,9 @@ def test_checkpoint_kv_scales_are_loaded(tiny_dir, registry, tmp_path) -> None:
     assert rel < FP8_LOGITS_REL_ERROR and top1 >= FP8_TOP1_AGREEMENT, (rel, top1)
     llm.close()
     # The ModelOpt spelling, on the other layer only: layer 0 keeps 1.0.
-    path = _with_scales(tiny_dir, tmp_path / "modelopt", {"model.layers.1.self_attn.k_proj.output_scale": torch.tensor(4.0)})
+    path = _with_scales(
+        tiny_dir, tmp_path / "modelopt", {"model.layers.1.self_attn.k_proj.output_scale": torch.tensor(4.0)}
+    )
     llm = LLM(str(path), registry=registry, kv_cache_dtype="fp8_e4m3", page_size=4)
     assert llm.engine.kv_pool.layout.k_scales == (1.0, 4.0) and llm.engine.kv_pool.layout.v_scales == (1.0, 1.0)
     llm.close()
@@ -167,4 +169,3 @@ def test_fp8_generation_leaves_every_page_free(make_llm) -> None:
         sched.step()
         llm.check_accounting()
     assert reqs[1].finish_reason == "length" and len(reqs[1].output_ids) == 12
-

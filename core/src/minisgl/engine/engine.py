@@ -25,7 +25,7 @@ from ..kvcache import QUANTIZED_KV_DTYPES, BaseKVPool, KVLayout, kv_dtype_name
 from ..layers import ForwardContext
 from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
 from ..moe import BaseMoEBackend
-from ..plugins import PluginRegistry, load_plugins
+from ..plugins import AttentionBackendSpec, ComponentSpec, PluginRegistry, load_plugins
 from .graph import CudaGraphRunner
 from .sampling import Sampler
 
@@ -127,8 +127,8 @@ class Engine:
         self.attn_specs = [reg.pick("attention", n, dev) for n in names]
         kv_name = self.config.kv_cache_dtype
         for name, spec in zip(names, self.attn_specs, strict=True):
-            if name != "auto" and not spec.reads_kv_cache(kv_name):
-                readers = [s.name for s in reg.ranked("attention", dev) if s.reads_kv_cache(kv_name)]
+            if name != "auto" and not _reads_kv_cache(spec, kv_name):
+                readers = [s.name for s in reg.ranked("attention", dev) if _reads_kv_cache(s, kv_name)]
                 raise ValidationError(
                     "kv_cache_dtype",
                     f"{spec.label} cannot read a {kv_name} KV cache; installed backends that can: "
@@ -169,7 +169,9 @@ class Engine:
         layers = self.hf_config.num_hidden_layers
         k_scales, v_scales = self.model.kv_cache_scales()
         if k_scales and self.kv_dtype not in QUANTIZED_KV_DTYPES.values():
-            logger.info("the checkpoint's KV cache scales are unused: the KV cache stores %s", kv_dtype_name(self.dtype))
+            logger.info(
+                "the checkpoint's KV cache scales are unused: the KV cache stores %s", kv_dtype_name(self.dtype)
+            )
             k_scales, v_scales = (), ()
         elif self.kv_dtype in QUANTIZED_KV_DTYPES.values():
             logger.info("KV cache scales: %s", "from the checkpoint" if k_scales else "1.0 (the checkpoint has none)")
@@ -207,7 +209,7 @@ class Engine:
             return self.attn_specs[i].build(ctx)
         reasons: list[str] = []
         for spec in self.registry.ranked("attention", self.device.type):
-            if not spec.reads_kv_cache(self.config.kv_cache_dtype):
+            if not _reads_kv_cache(spec, self.config.kv_cache_dtype):
                 reasons.append(f"{spec.name}: cannot read a {self.config.kv_cache_dtype} KV cache")
                 continue
             try:
@@ -359,6 +361,11 @@ class PendingStep:
         if self.event is not None:
             self.event.synchronize()
         return StepResult(self.tokens.tolist(), self.logprobs)
+
+
+def _reads_kv_cache(spec: ComponentSpec, kv_cache_dtype: str) -> bool:
+    """Whether attention backend ``spec`` reads a KV cache of ``kv_cache_dtype`` (see AttentionBackendSpec)."""
+    return isinstance(spec, AttentionBackendSpec) and spec.reads_kv_cache(kv_cache_dtype)
 
 
 def _causal_lm_for(hf_config: Any) -> list[str]:

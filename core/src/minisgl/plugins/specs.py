@@ -144,7 +144,9 @@ class AttentionBackendSpec(ComponentSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.kv_cache_dtypes, tuple) or not all(isinstance(n, str) for n in self.kv_cache_dtypes):
-            raise TypeError(f"AttentionBackendSpec.kv_cache_dtypes must be a tuple of strings, got {self.kv_cache_dtypes!r}")
+            raise TypeError(
+                f"AttentionBackendSpec.kv_cache_dtypes must be a tuple of strings, got {self.kv_cache_dtypes!r}"
+            )
 
     def reads_kv_cache(self, kv_cache_dtype: str) -> bool:
         """Whether this backend reads a KV cache of ``kv_cache_dtype`` (``auto``: the model dtype)."""

@@ -260,6 +260,7 @@ def scheduler_main(launch: bytes) -> None:
         sched, ranks = _build_scheduler(args["engine"])
         engine, config = sched.engine, sched.engine.config
         from ..kvcache import kv_dtype_name
+
         inbox, outbox = _sockets(ctx, args["addresses"], "scheduler", "detokenizer")
         progress = _Progress(sched, status.beat_now)
         info = {

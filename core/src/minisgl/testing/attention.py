@@ -138,7 +138,9 @@ class AttentionHarness:
         self.page_table = torch.zeros(self.manager.table.shape, dtype=torch.int32, device=self.device)
         self.last_token = torch.zeros(max_reqs, dtype=torch.int64, device=self.device)
         if kv_cache_dtype not in ("auto", *QUANTIZED_KV_DTYPES):
-            raise ValueError(f"kv_cache_dtype must be auto or one of {list(QUANTIZED_KV_DTYPES)}, got {kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be auto or one of {list(QUANTIZED_KV_DTYPES)}, got {kv_cache_dtype!r}"
+            )
         kv_dtype = QUANTIZED_KV_DTYPES.get(kv_cache_dtype, dtype)
         layout = KVLayout(num_layers, num_pages, ps, case.num_kv_heads, case.head_dim, kv_dtype, self.device)
         if layout.quantized:
@@ -358,8 +360,8 @@ class AttentionHarness:
             ("K", before[0], after[0], k_want, k_scale),
             ("V", before[1], after[1], v_want, v_scale),
         ):
-            rows = new[out_loc]
-            stored = rows.view(self.layout.dtype).float() * scale if self.layout.quantized else rows.float()
+            held = new[out_loc]
+            stored = held.view(self.layout.dtype).float() * scale if self.layout.quantized else held.float()
             bad = ~torch.isclose(stored, expected, atol=self.kv_atol, rtol=self.kv_rtol).flatten(1).all(dim=1)
             if bool(bad.any()):
                 rows = torch.nonzero(bad).view(-1).tolist()
