@@ -73,3 +73,16 @@ def test_fp8_kv_cache_is_refused_by_name_and_auto_takes_torch(tiny_dir, registry
                                torch.device("cpu"))  # fmt: skip
         with pytest.raises(ValueError, match="with a torch.float8_e4m3fn cache"):
             attention.CPUAttnBackend(ctx)
+        # The native kernel set's store (float32 only) is bypassed for the pool's quantized bytes: same bytes.
+        from dataclasses import replace
+
+        layout = KVLayout(2, 5, 4, 2, 16, torch.float8_e4m3fn, torch.device("cpu"), k_scales=(0.5, 2.0))
+        native = MHAKVPool(replace(layout, kernels=kernels.native_kernels(torch.device("cpu"), torch.float32)))
+        plain = MHAKVPool(layout)
+        kv = torch.randn(7, 2, 48) * 100
+        loc = torch.tensor([3, 4, 9, 10, 11, 17, 18])
+        for pool in (native, plain):
+            pool.store_kv(kv[..., :16], kv[..., 16:32], loc, 1)
+        assert torch.equal(native.k_cache(1).view(torch.uint8), plain.k_cache(1).view(torch.uint8))
+        assert torch.equal(native.v_cache(1).view(torch.uint8), plain.v_cache(1).view(torch.uint8))
+        assert native.k_cache(1).view(torch.uint8).any()
