@@ -32,11 +32,15 @@ class TestFlashInferFP8KVConformance(AttentionBackendConformance):
 
 
 class TestFlashInferFP8KVFloat16(AttentionBackendConformance):
+    """A float16 model over an FP8 cache (one shape: each dtype pair is another FlashInfer JIT build)."""
+
     backend = "flashinfer"
     device = "cuda"
     dtype = torch.float16
     kv_cache_dtype = "fp8_e4m3"
     page_sizes = (16,)
+    gqa_ratios = (2,)
+    head_dims = (128,)
 
 
 MAX_REQS, MAX_SEQ = 8, 1024
