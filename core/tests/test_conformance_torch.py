@@ -36,6 +36,40 @@ class TestTorchBackendBFloat16(AttentionBackendConformance):
         return _builtin_only()
 
 
+class TestTorchBackendFP8KV(AttentionBackendConformance):
+    """The reference over an FP8 KV cache with per-layer scales: de-quantized on read, checked against float64
+    math over the de-quantized K/V and within QUANTIZED_KV_TOLERANCE of the unquantized K/V."""
+
+    backend = "torch"
+    kv_cache_dtype = "fp8_e4m3"
+    head_dims = (64,)
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+class TestTorchBackendBFloat16FP8KV(AttentionBackendConformance):
+    backend = "torch"
+    dtype = torch.bfloat16
+    kv_cache_dtype = "fp8_e4m3"
+    head_dims = (128,)
+    gqa_ratios = (2,)
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+@pytest.mark.cuda
+class TestTorchBackendCUDAFP8KV(AttentionBackendConformance):
+    backend = "torch"
+    device = "cuda"
+    dtype = torch.bfloat16
+    kv_cache_dtype = "fp8_e4m3"
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
 @pytest.mark.cuda
 class TestTorchBackendCUDABFloat16(AttentionBackendConformance):
     """The reference on a GPU in the dtype GPUs serve in (skipped without CUDA)."""
@@ -146,6 +180,15 @@ class _WritesNeighbourSlot(TorchAttnBackend):
         return super().forward(q, k, v, layer_id, batch)
 
 
+class _IgnoresKVScales(TorchAttnBackend):
+    """Reads a quantized cache without its scales (only wrong with an FP8 cache)."""
+
+    def gather_kv(self, layer_id, slots, dtype):  # type: ignore[no-untyped-def]
+        pool, hkv, d = self.ctx.kv_pool, self.ctx.num_kv_heads, self.ctx.head_dim
+        k, v = (c.reshape(-1, hkv, d).view(torch.uint8) for c in (pool.k_cache(layer_id), pool.v_cache(layer_id)))
+        return (t.index_select(0, slots).view(pool.layout.dtype).to(dtype) for t in (k, v))
+
+
 BROKEN: dict[str, type[BaseAttnBackend]] = {
     "wrong-layer": _WrongLayer,
     "ignores-cached-prefix": _IgnoresCachedPrefix,
@@ -156,9 +199,13 @@ BROKEN: dict[str, type[BaseAttnBackend]] = {
 }
 
 
-def _run_all_scenarios(factory) -> None:  # type: ignore[no-untyped-def]
+BROKEN_FP8: dict[str, type[BaseAttnBackend]] = {"ignores-kv-scales": _IgnoresKVScales}
+
+
+def _run_all_scenarios(factory, kv_cache_dtype: str = "auto") -> None:  # type: ignore[no-untyped-def]
     kit = AttentionBackendConformance()
     kit.backend = factory  # type: ignore[assignment]
+    kit.kv_cache_dtype = kv_cache_dtype
     kit.load_registry = _builtin_only  # type: ignore[method-assign]
     case = next(c for c in ATTN_CASES if c.page_size == 16 and c.gqa == 2 and c.head_dim == 64)
     for test in (
@@ -174,6 +221,13 @@ def _run_all_scenarios(factory) -> None:  # type: ignore[no-untyped-def]
 def test_kit_rejects_broken_backend(name: str) -> None:
     with pytest.raises(AssertionError):
         _run_all_scenarios(BROKEN[name])
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_FP8))
+def test_kit_rejects_broken_fp8_backend(name: str) -> None:
+    with pytest.raises(AssertionError):
+        _run_all_scenarios(BROKEN_FP8[name], "fp8_e4m3")
+    _run_all_scenarios(TorchAttnBackend, "fp8_e4m3")  # the same scenarios pass with the reference
 
 
 def test_harness_reports_request_and_position() -> None:

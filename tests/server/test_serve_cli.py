@@ -117,6 +117,22 @@ def test_preflight_checks_names_against_installed_plugins(tmp_path: Path) -> Non
         preflight(ServeSettings(model=str(tmp_path / "missing")))
     with pytest.raises(PreflightError, match=r"--nnodes \(env MINISGL_NNODES\): must divide tp \(3\), got 2"):
         preflight(ServeSettings(model=str(tmp_path), tp=3, nnodes=2))
+    # A KV cache dtype the named backend cannot read (the torch reference reads FP8; the cpu backend does not).
+    assert "builtin" in preflight(
+        ServeSettings(model=str(tmp_path), attention_backend="torch", device="cpu", kv_cache_dtype="fp8")
+    )
+    cpu = ServeSettings(model=str(tmp_path), attention_backend="cpu", device="cpu", kv_cache_dtype="fp8_e4m3")
+    try:
+        preflight(cpu.model_copy(update={"kv_cache_dtype": "auto"}))
+    except PreflightError:
+        pass  # the cpu backend is not installed or cannot run here
+    else:
+        with pytest.raises(
+            PreflightError,
+            match=r"--kv-cache-dtype: attention backend 'cpu' cannot read a fp8_e4m3 KV cache; installed backends "
+            r"that can: .*torch",
+        ):
+            preflight(cpu)
     # An impossible device is refused as the settings are read, before preflight.
     with pytest.raises(SettingsError, match=r"--device \(env MINISGL_DEVICE\): Value error, must be cpu, cuda"):
         parse_settings(["--model", str(tmp_path), "--device", "tpu"])

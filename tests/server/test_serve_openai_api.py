@@ -242,6 +242,9 @@ def test_metrics_count_tokens(tiny_server: Server, client: Any, tiny_model: Path
     assert after["minisgl_kv_pages_total"] == 159
     text = httpx.get(tiny_server.url + "/metrics").text
     assert "minisgl_inter_token_latency_seconds_bucket" in text
+    assert 'minisgl_kv_cache_info{dtype="float32"} 1.0' in text  # what the KV cache stores (CPU: the model dtype)
+    card = httpx.get(tiny_server.url + "/v1/models").json()["data"][0]["minisgl"]
+    assert card["kv_cache_dtype"] == "float32" and card["kv_pages"] == 159
 
 
 # ------------------------------------------------------------------ errors

@@ -50,6 +50,11 @@ class EngineFields(BaseModel):
     num_pages: int | None = Field(None, ge=2, description="KV cache pages; default: sized from memory")
     mem_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for the KV cache")
     cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU, in GiB")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8"] = Field(
+        "auto",
+        description="KV cache storage: auto = the model dtype; fp8_e4m3 (alias fp8) = one byte per value (twice "
+        "the pages), with the checkpoint's per-layer k/v scales or 1.0",
+    )
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy = random weights (benchmarks)")
     hf_config_path: str | None = Field(
         None, description="config.json to use instead of the model's (with load_format dummy: no weights needed)"
@@ -66,6 +71,11 @@ class EngineFields(BaseModel):
         description="plugins that are not installed: comma-separated .py files, folders of .py files or module "
         "names, each loaded like an installed plugin named after its file or module",
     )
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_dtype_alias(cls, value: str) -> str:
+        return "fp8_e4m3" if value == "fp8" else value
 
     @field_validator("device")
     @classmethod

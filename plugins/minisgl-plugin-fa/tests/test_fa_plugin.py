@@ -138,3 +138,22 @@ def test_installed_generations_are_found_without_importing(monkeypatch: pytest.M
     found = installed_generations()
     assert {3, 4} <= set(found) and set(before) <= set(found)
     assert "flash_attn.cute" not in sys.modules and "flash_attn_interface" not in sys.modules
+
+
+def test_fp8_kv_cache_is_refused_with_the_reason() -> None:
+    """No fa backend declares an FP8 KV cache (the engine refuses it at start-up by name); built directly over
+    one, the backend says why and names the backend that reads it, before touching any GPU."""
+    import torch
+    from minisgl_plugin_fa.backend import FP8_KV_REFUSAL, FlashAttnBackend
+
+    from minisgl.attention import AttentionContext
+    from minisgl.kvcache import KVLayout, MHAKVPool
+
+    reg = load_plugins(only=["builtin", "fa"])
+    assert all(reg.get("attention", n).kv_cache_dtypes == () for n in ("fa", "fa2", "fa3", "fa4"))
+    pool = MHAKVPool(KVLayout(1, 4, 16, 2, 64, torch.float8_e4m3fn, torch.device("cpu")))
+    ctx = AttentionContext(4, 2, 64, 16, pool, torch.zeros(1, 64, dtype=torch.int32), 1, 64, torch.bfloat16,
+                           torch.device("cpu"))  # fmt: skip
+    with pytest.raises(ValueError, match="use --attn flashinfer for --kv-cache-dtype fp8_e4m3") as err:
+        FlashAttnBackend(ctx)
+    assert str(err.value) == FP8_KV_REFUSAL

@@ -26,12 +26,16 @@ def test_radix_is_the_default_when_installed(tiny_dir, registry, core_only_regis
     assert LLM(str(tiny_dir), registry=core_only_registry, num_pages=8).engine.prefix_cache_spec.name == "naive"
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_multi_turn_conversation_matches_naive_and_reuses_history(make_llm, page_size: int) -> None:
+def test_multi_turn_conversation_matches_naive_and_reuses_history(make_llm, page_size: int, kv_cache_dtype) -> None:
+    """Also over an FP8 KV cache: the reused history is read back from its quantized pages."""
     turns = random_prompts([30, 7, 19, 4], VOCAB, seed=11)
     outputs: dict[str, list[list[int]]] = {}
     for cache in ("naive", "radix"):
-        llm = make_llm(prefix_cache=cache, page_size=page_size, num_pages=1 + 512 // page_size)
+        llm = make_llm(
+            prefix_cache=cache, page_size=page_size, num_pages=1 + 512 // page_size, kv_cache_dtype=kv_cache_dtype
+        )
         history: list[int] = []
         outputs[cache] = []
         for user in turns:

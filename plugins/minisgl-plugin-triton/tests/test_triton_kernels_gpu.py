@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from minisgl_plugin_triton.kernels import TritonKernels
@@ -123,3 +125,22 @@ def test_triton_sampler_draws_from_the_softmax_and_is_greedy_at_zero_temperature
     again = gumbel_sample(row.expand(n, vocab), torch.full((n,), 1 / temp, device=dev), seed=5)
     other = gumbel_sample(row.expand(n, vocab), torch.full((n,), 1 / temp, device=dev), seed=6)
     assert torch.equal(draws, again) and not torch.equal(draws, other)
+
+
+def test_fp8_kv_pool_stores_through_the_triton_copy() -> None:
+    """An FP8 pool hands the kernel set byte views of quantized rows: the triton store copies them (one launch)
+    and the pool then holds exactly what the PyTorch reference pool holds."""
+    from minisgl.kvcache import KVLayout, MHAKVPool
+
+    dev = torch.device("cuda")
+    layout = KVLayout(2, 9, 16, 4, 128, torch.float8_e4m3fn, dev, k_scales=(0.5, 2.0), v_scales=(2.0, 0.25))
+    fast, ref = MHAKVPool(replace(layout, kernels=TritonKernels())), MHAKVPool(layout)
+    qkv = torch.randn(37, (8 + 2 * 4) * 128, device=dev, dtype=torch.bfloat16) * 50  # some beyond +-448
+    k, v = (t.view(37, 4, 128) for t in qkv[:, 8 * 128 :].split(4 * 128, dim=-1))  # strided, as the layers pass
+    loc = torch.randperm(9 * 16, device=dev)[:37]
+    for layer in (0, 1):
+        fast.store_kv(k, v, loc, layer)
+        ref.store_kv(k, v, loc, layer)
+        for a, b in ((fast.k_cache(layer), ref.k_cache(layer)), (fast.v_cache(layer), ref.v_cache(layer))):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert fast.k_cache(1).view(torch.uint8).any()

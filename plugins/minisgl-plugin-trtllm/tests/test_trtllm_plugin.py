@@ -138,3 +138,12 @@ def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
     assert "trtllm" in preflight(
         ServeSettings(model=str(tmp_path), attention_backend="torch,trtllm-xqa", device="cuda")
     )
+
+
+def test_fp8_kv_cache_is_not_declared() -> None:
+    """Neither backend reads an FP8 KV cache here: the engine refuses ``--kv-cache-dtype fp8_e4m3`` with them by
+    name at start-up (and under auto skips them)."""
+    reg = load_plugins(only=["builtin", "trtllm"])
+    for name in ("trtllm", "trtllm-xqa"):
+        spec = reg.get("attention", name)
+        assert spec.kv_cache_dtypes == () and not spec.reads_kv_cache("fp8_e4m3") and spec.reads_kv_cache("auto")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Batch
+from ..kvcache import dequantize_kv
 from .base import AttentionContext, BaseAttnBackend
 
 
@@ -60,10 +61,14 @@ class TorchAttnBackend(BaseAttnBackend):
         return out if decode else out.index_select(0, meta.q_dest)
 
     def gather_kv(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots`` from the pool, ``[len(slots), kv_heads, d]`` in ``dtype``."""
+        """K and V of ``slots`` from the pool, ``[len(slots), kv_heads, d]`` in ``dtype`` (a quantized pool's
+        values de-quantized: cast, times the layer's scale)."""
         pool, hkv, d = self.ctx.kv_pool, self.ctx.num_kv_heads, self.ctx.head_dim
-        k = pool.k_cache(layer_id).reshape(-1, hkv, d).index_select(0, slots).to(dtype)
-        return k, pool.v_cache(layer_id).reshape(-1, hkv, d).index_select(0, slots).to(dtype)
+        kc, vc = pool.k_cache(layer_id).reshape(-1, hkv, d), pool.v_cache(layer_id).reshape(-1, hkv, d)
+        if pool.layout.quantized:
+            k_scale, v_scale = pool.layout.kv_scales(layer_id)
+            return dequantize_kv(kc, slots, k_scale, dtype), dequantize_kv(vc, slots, v_scale, dtype)
+        return kc.index_select(0, slots).to(dtype), vc.index_select(0, slots).to(dtype)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False

@@ -21,11 +21,18 @@ from ..config import EngineConfig
 from ..core import Batch, TokenLogprob, ValidationError
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import select_kernels
-from ..kvcache import BaseKVPool, KVLayout
+from ..kvcache import QUANTIZED_KV_DTYPES, BaseKVPool, KVLayout, kv_dtype_name
 from ..layers import ForwardContext, QuantMethod
 from ..models import CausalLM, ModelContext, ModelLoadError, ModelSource, iter_weights, load_config
 from ..moe import BaseMoEBackend
-from ..plugins import PluginRegistry, UnknownComponentError, choose_quantization, load_plugins
+from ..plugins import (
+    AttentionBackendSpec,
+    ComponentSpec,
+    PluginRegistry,
+    UnknownComponentError,
+    choose_quantization,
+    load_plugins,
+)
 from .graph import CudaGraphRunner
 from .sampling import Sampler
 
@@ -88,6 +95,7 @@ class Engine:
             )
         self.architecture = archs[0]
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.kv_dtype = QUANTIZED_KV_DTYPES.get(config.kv_cache_dtype, self.dtype)  # what the KV pool stores
         self.kernels = select_kernels(self.device, self.dtype, config.kernels, self.registry)  # once, for every layer
         if self.device.type == "cuda" and config.kernels == "auto" and self.kernels.name == "torch":
             logger.warning("kernels: no GPU kernel set installed, the PyTorch reference runs (slower); see docs/gpu.md")
@@ -124,6 +132,16 @@ class Engine:
             )
         self._attn_names = names
         self.attn_specs = [reg.pick("attention", n, dev) for n in names]
+        kv_name = self.config.kv_cache_dtype
+        for name, spec in zip(names, self.attn_specs, strict=True):
+            if name != "auto" and not _reads_kv_cache(spec, kv_name):
+                readers = [s.name for s in reg.ranked("attention", dev) if _reads_kv_cache(s, kv_name)]
+                raise ValidationError(
+                    "kv_cache_dtype",
+                    f"{spec.label} cannot read a {kv_name} KV cache; installed backends that can: "
+                    f"{', '.join(readers) or 'none'} (use --attn {readers[0] if readers else 'torch'} or "
+                    "--kv-cache-dtype auto; docs/gpu.md, FP8 KV cache)",
+                )
         self.moe_backend: BaseMoEBackend | None = None
         if getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0):
             self.moe_backend = reg.pick("moe", self.config.moe_backend, dev).build()
@@ -189,7 +207,17 @@ class Engine:
         cfg = self.config
         _, kv_heads, head_dim = self._heads()
         layers = self.hf_config.num_hidden_layers
-        layout = KVLayout(layers, 2, cfg.page_size, kv_heads, head_dim, self.dtype, self.device, self.kernels)
+        k_scales, v_scales = self.model.kv_cache_scales()
+        if k_scales and self.kv_dtype not in QUANTIZED_KV_DTYPES.values():
+            logger.info(
+                "the checkpoint's KV cache scales are unused: the KV cache stores %s", kv_dtype_name(self.dtype)
+            )
+            k_scales, v_scales = (), ()
+        elif self.kv_dtype in QUANTIZED_KV_DTYPES.values():
+            logger.info("KV cache scales: %s", "from the checkpoint" if k_scales else "1.0 (the checkpoint has none)")
+        layout = KVLayout(
+            layers, 2, cfg.page_size, kv_heads, head_dim, self.kv_dtype, self.device, self.kernels, k_scales, v_scales
+        )
         num_pages = cfg.num_pages
         if num_pages is None:
             if self.device.type == "cuda":
@@ -201,7 +229,8 @@ class Engine:
         layout = replace(layout, num_pages=num_pages)
         pool = self.kv_pool_spec.build(layout)
         gib = layout.bytes_per_token() * layout.num_slots / (1 << 30)
-        logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, cfg.page_size, gib)
+        dtype = kv_dtype_name(self.kv_dtype)
+        logger.info("KV pool: %d pages of %d tokens, %s (%.2f GiB)", num_pages, cfg.page_size, dtype, gib)
         return pool
 
     def _build_attention(self) -> BaseAttnBackend:
@@ -220,6 +249,9 @@ class Engine:
             return self.attn_specs[i].build(ctx)
         reasons: list[str] = []
         for spec in self.registry.ranked("attention", self.device.type):
+            if not _reads_kv_cache(spec, self.config.kv_cache_dtype):
+                reasons.append(f"{spec.name}: cannot read a {self.config.kv_cache_dtype} KV cache")
+                continue
             try:
                 backend = spec.build(ctx)
             except ValueError as exc:
@@ -369,6 +401,11 @@ class PendingStep:
         if self.event is not None:
             self.event.synchronize()
         return StepResult(self.tokens.tolist(), self.logprobs)
+
+
+def _reads_kv_cache(spec: ComponentSpec, kv_cache_dtype: str) -> bool:
+    """Whether attention backend ``spec`` reads a KV cache of ``kv_cache_dtype`` (see AttentionBackendSpec)."""
+    return isinstance(spec, AttentionBackendSpec) and spec.reads_kv_cache(kv_cache_dtype)
 
 
 def _causal_lm_for(hf_config: Any) -> list[str]:

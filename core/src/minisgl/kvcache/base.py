@@ -12,10 +12,35 @@ import torch
 if TYPE_CHECKING:
     from ..kernel import KernelSet
 
+#: Quantized KV cache dtypes by setting name (``--kv-cache-dtype``); ``auto`` stores the model dtype.
+QUANTIZED_KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """``fp8_e4m3`` for a quantized KV dtype, else the torch name (``bfloat16``)."""
+    names = {d: n for n, d in QUANTIZED_KV_DTYPES.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale``, clamped to the range of ``dtype`` (a cast past it gives NaN), in ``dtype``."""
+    limit = torch.finfo(dtype).max
+    y = x if scale == 1.0 else x.float() / scale
+    return y.clamp(-limit, limit).to(dtype)  # out of place: ``x`` is the caller's
+
+
+def dequantize_kv(cache: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``slots`` of a quantized ``[slots, heads, d]`` cache, times ``scale``, in ``dtype``. The rows are
+    gathered as bytes: not every device has an ``index_select`` for float8."""
+    rows = cache.view(torch.uint8).index_select(0, slots).view(cache.dtype).to(dtype)
+    return rows if scale == 1.0 else rows * scale
+
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of a KV pool: what a pool factory is built from."""
+    """Shape of a KV pool: what a pool factory is built from. ``dtype`` is what the pool stores: the model
+    dtype, or a quantized one (:data:`QUANTIZED_KV_DTYPES`), whose values are ``k / k_scales[layer]``
+    (``v`` likewise; no scales: 1.0 for every layer)."""
 
     num_layers: int
     num_pages: int
@@ -25,10 +50,29 @@ class KVLayout:
     dtype: torch.dtype
     device: torch.device
     kernels: KernelSet | None = None  # what ``store_kv`` runs; None: the PyTorch reference KernelSet
+    k_scales: tuple[float, ...] = ()  # per layer, for a quantized dtype; () = 1.0 everywhere
+    v_scales: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("k_scales", "v_scales"):
+            scales = getattr(self, name)
+            if scales and len(scales) != self.num_layers:
+                raise ValueError(f"KVLayout.{name} has {len(scales)} entries for {self.num_layers} layers")
+            if any(not (s > 0 and s < float("inf")) for s in scales):
+                raise ValueError(f"KVLayout.{name} must be positive and finite, got {scales}")
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool stores scaled values in a quantized dtype (read them through the scales)."""
+        return self.dtype in QUANTIZED_KV_DTYPES.values()
+
+    def kv_scales(self, layer: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of ``layer``: stored value times scale is the real value."""
+        return (self.k_scales[layer] if self.k_scales else 1.0, self.v_scales[layer] if self.v_scales else 1.0)
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -49,7 +93,8 @@ class BaseKVPool(ABC):
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
-        """Write ``k``/``v`` (``[tokens, kv_heads, head_dim]``) into slots ``out_loc``."""
+        """Write ``k``/``v`` (``[tokens, kv_heads, head_dim]``) into slots ``out_loc``; a quantized layout
+        stores :func:`quantize_kv` of them with the layer's scales."""
 
 
 @dataclass

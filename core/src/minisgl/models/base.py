@@ -4,6 +4,7 @@ decoder layer in :meth:`CausalLM.make_layer`, usually a :class:`DecoderLayer`.""
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -63,6 +64,15 @@ STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+# Per-tensor attention scales of FP8-calibrated checkpoints (vLLM, compressed-tensors, ModelOpt names): which of
+# the KV cache's scales each sets. Query and softmax scales are accepted and unused (attention runs in the model
+# dtype); none of them is a parameter.
+_KV_SCALE_NAME = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?"
+    r"(k_scale|v_scale|kv_scale|q_scale|prob_scale|[kvq]_proj\.output_scale)$"
+)
+
+
 class _Backbone(nn.Module):
     def __init__(self, embed: nn.Module, layers: nn.ModuleList, norm: RMSNorm):
         super().__init__()
@@ -94,6 +104,8 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
         if self.tie_word_embeddings:
             self.lm_head.weight = embed.weight
+        # Layer -> {"k": scale, "v": scale} from the checkpoint (read by kv_cache_scales).
+        self.kv_scales_loaded: dict[int, dict[str, float]] = {}
         if ctx.quant is not UNQUANTIZED:
             self._quantize_layers(ctx.quant)
 
@@ -145,6 +157,9 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if (scale := _KV_SCALE_NAME.search(name)) is not None:
+                self._load_kv_scale(name, int(scale.group(1)), scale.group(2), tensor)
+                continue
             target, shard = self.map_weight_name(name)
             if target not in params:
                 close = difflib.get_close_matches(target, list(params), n=1, cutoff=0.8)
@@ -187,6 +202,31 @@ class CausalLM(nn.Module):
             f"quantization method '{self.ctx.quant.name}'): its scales load only into minisgl's linear layers "
             "(LinearBase), which take them from that method (docs/plugin-contracts.md, section Quantization)"
         )
+
+    def _load_kv_scale(self, name: str, layer: int, kind: str, tensor: torch.Tensor) -> None:
+        which = kind.split("_", 1)[0].split(".", 1)[0]  # k_scale / k_proj.output_scale -> k; kv_scale -> kv
+        if which not in ("k", "v", "kv"):
+            return  # q_scale, prob_scale, q_proj.output_scale
+        if tensor.numel() != 1:
+            raise ValueError(
+                f"checkpoint tensor '{name}' {tuple(tensor.shape)} is not a per-tensor scale: the KV cache "
+                "takes one k and one v scale per layer"
+            )
+        value = float(tensor.float().reshape(()))
+        if not (0.0 < value < float("inf")):
+            raise ValueError(f"checkpoint tensor '{name}' is {value}: a KV cache scale must be positive and finite")
+        scales = self.kv_scales_loaded.setdefault(layer, {})
+        for key in ("k", "v") if which == "kv" else (which,):
+            scales[key] = value
+
+    def kv_cache_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per-layer ``(k scales, v scales)`` for a quantized KV cache: the checkpoint's, 1.0 where it has
+        none; ``((), ())`` when it has none at all."""
+        if not self.kv_scales_loaded:
+            return (), ()
+        layers = range(int(self.config.num_hidden_layers))
+        k = tuple(self.kv_scales_loaded.get(i, {}).get("k", 1.0) for i in layers)
+        return k, tuple(self.kv_scales_loaded.get(i, {}).get("v", 1.0) for i in layers)
 
     def map_weight_name(self, name: str) -> tuple[str, Any]:
         """Checkpoint name -> (parameter name, shard id or None)."""

@@ -11,7 +11,12 @@ from .specs import AttentionBackendSpec, KernelSetSpec, KVPoolSpec, MoEBackendSp
 def minisgl_attention_backends() -> list[AttentionBackendSpec]:
     desc = "reference attention in plain PyTorch over the paged KV cache (CPU and CUDA)"
     return [
-        AttentionBackendSpec(name="torch", factory="minisgl.attention.torch_backend:TorchAttnBackend", description=desc)
+        AttentionBackendSpec(
+            name="torch",
+            factory="minisgl.attention.torch_backend:TorchAttnBackend",
+            description=desc,
+            kv_cache_dtypes=("fp8_e4m3",),
+        )
     ]
 
 

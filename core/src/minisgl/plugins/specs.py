@@ -131,10 +131,26 @@ class ModelSpec(ComponentSpec):
     kind, noun, hook = "model", "model architecture", "minisgl_models"
 
 
+@dataclass(frozen=True)
 class AttentionBackendSpec(ComponentSpec):
-    """Built as ``factory(ctx: AttentionContext)`` -> ``BaseAttnBackend`` (``--attn NAME``)."""
+    """Built as ``factory(ctx: AttentionContext)`` -> ``BaseAttnBackend`` (``--attn NAME``). Every backend reads
+    a KV cache in the model dtype; ``kv_cache_dtypes`` names the quantized ones it reads too (``"fp8_e4m3"``:
+    the pool's float8 values times the layer's ``KVLayout.kv_scales``), so a ``--kv-cache-dtype`` it does not
+    read is refused at start-up."""
 
     kind, noun, hook = "attention", "attention backend", "minisgl_attention_backends"
+    kv_cache_dtypes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.kv_cache_dtypes, tuple) or not all(isinstance(n, str) for n in self.kv_cache_dtypes):
+            raise TypeError(
+                f"AttentionBackendSpec.kv_cache_dtypes must be a tuple of strings, got {self.kv_cache_dtypes!r}"
+            )
+
+    def reads_kv_cache(self, kv_cache_dtype: str) -> bool:
+        """Whether this backend reads a KV cache of ``kv_cache_dtype`` (``auto``: the model dtype)."""
+        return kv_cache_dtype == "auto" or kv_cache_dtype in self.kv_cache_dtypes
 
 
 class KVPoolSpec(ComponentSpec):

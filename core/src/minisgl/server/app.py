@@ -36,7 +36,7 @@ logger = logging.getLogger("minisgl.server")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # What the engine was built with (as the "model ready" log line says), in the model card for clients and operators.
 _ENGINE_KEYS = (
-    "architecture", "device", "tp", "attention_backend", "prefix_cache", "kv_pages", "page_size",
+    "architecture", "device", "tp", "attention_backend", "prefix_cache", "kv_pages", "page_size", "kv_cache_dtype",
     "max_running_requests", "chunked_prefill_size", "cuda_graphs", "overlap_schedule",
 )  # fmt: skip
 # Union alternatives show up in an error's location ("stop", "list[str]", 0); they are not field names.
@@ -203,7 +203,7 @@ def create_app(
     hub = parse_hub_id(settings.model) if not settings.served_model_name else None
     if hub is not None:
         names |= {settings.model, hub[0]}
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, kv_cache_dtype=str(info.get("kv_cache_dtype") or "unknown"))
     client = EngineClient(addresses, metrics, workers.tokenizers)
     max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
     vocab_size = int(info["vocab_size"]) if info.get("vocab_size") else None

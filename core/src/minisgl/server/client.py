@@ -25,7 +25,7 @@ class ServerMetrics:
     """Prometheus metrics of one server, in a registry of its own: counters and histograms updated as outputs
     arrive, gauges refreshed from the scheduler's heartbeat on scrape."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, kv_cache_dtype: str = "unknown"):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.gauges = {  # heartbeat state key -> gauge
             "running": Gauge("minisgl_num_requests_running", "Requests being decoded", registry=r),
@@ -47,6 +47,7 @@ class ServerMetrics:
             "minisgl_inter_token_latency_seconds", "Between two tokens", buckets=_LATENCY_BUCKETS, registry=r
         )
         Gauge("minisgl_model_info", "The served model", ["model"], registry=r).labels(model_name).set(1)
+        Gauge("minisgl_kv_cache_info", "What the KV cache stores", ["dtype"], registry=r).labels(kv_cache_dtype).set(1)
 
     def update(self, state: dict[str, Any]) -> None:
         """Set the gauges from the scheduler's heartbeat state (kept as they are when it has none)."""

@@ -158,6 +158,7 @@ def preflight(settings: ServeSettings) -> list[str]:
     from ..config import EngineConfig
     from ..core import ValidationError
     from ..plugins import (
+        AttentionBackendSpec,
         PluginError,
         UnknownComponentError,
         choose_quantization,
@@ -208,6 +209,17 @@ def preflight(settings: ServeSettings) -> list[str]:
         choose_quantization(registry, settings.quantization, quant_config, target or "cpu")
     except UnknownComponentError as exc:
         raise PreflightError(f"--quantization: {exc}") from None
+    # A named backend that cannot read the KV cache dtype fails here too (the engine would refuse it the same way).
+    for name in (n.strip() for n in settings.attention_backend.split(",")):
+        spec = registry.get("attention", name) if name != "auto" else None
+        kv = settings.kv_cache_dtype
+        if isinstance(spec, AttentionBackendSpec) and not spec.reads_kv_cache(kv):
+            readers = [s.name for s in registry.specs("attention") if isinstance(s, AttentionBackendSpec)
+                       and s.reads_kv_cache(kv)]  # fmt: skip
+            raise PreflightError(
+                f"--kv-cache-dtype: {spec.label} cannot read a {kv} KV cache; installed backends that can: "
+                f"{', '.join(readers) or 'none'} (use one with --attn, or --kv-cache-dtype auto)"
+            )
     return registry.active_plugin_names()
 
 

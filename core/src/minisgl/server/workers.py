@@ -259,6 +259,8 @@ def scheduler_main(launch: bytes) -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
         sched, ranks = _build_scheduler(args["engine"])
         engine, config = sched.engine, sched.engine.config
+        from ..kvcache import kv_dtype_name
+
         inbox, outbox = _sockets(ctx, args["addresses"], "scheduler", "detokenizer")
         progress = _Progress(sched, status.beat_now)
         info = {
@@ -267,6 +269,7 @@ def scheduler_main(launch: bytes) -> None:
             "vocab_size": int(sched.vocab_size),
             "kv_pages": int(sched.kv.usable_pages),
             "page_size": int(config.page_size),
+            "kv_cache_dtype": kv_dtype_name(engine.kv_dtype),
             "device": str(engine.device),
             "tp": int(config.tp),
             "max_running_requests": int(config.max_running_requests),

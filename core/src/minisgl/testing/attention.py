@@ -28,6 +28,13 @@ and 128; scenarios: fresh prefill of mixed lengths, chunked prefill extending
 existing KV (page-aligned prefix-cache hits and unaligned chunk boundaries) mixed
 with new requests, several decode steps across page boundaries, and reused pages
 that still hold a finished request's KV.
+
+With ``kv_cache_dtype = "fp8_e4m3"`` both pools store float8 with per-layer scales other
+than 1.0 (:data:`KV_TEST_SCALES`): the backend is compared with the torch reference reading
+the same quantized cache, stored values must be exactly :func:`~minisgl.kvcache.quantize_kv`
+of the new K/V, and the reference is checked against float64 math twice: over the
+de-quantized K/V (tight), and over the unquantized K/V within :data:`QUANTIZED_KV_TOLERANCE`
+(what quantizing the cache costs).
 """
 
 from __future__ import annotations
@@ -43,7 +50,15 @@ from ..attention import AttentionContext, BaseAttnBackend
 from ..attention.torch_backend import TorchAttnBackend
 from ..core import Batch, Req, SamplingParams
 from ..engine import StepInputs
-from ..kvcache import BaseKVPool, KVCacheManager, KVLayout, MHAKVPool, NaivePrefixCache
+from ..kvcache import (
+    QUANTIZED_KV_DTYPES,
+    BaseKVPool,
+    KVCacheManager,
+    KVLayout,
+    MHAKVPool,
+    NaivePrefixCache,
+    quantize_kv,
+)
 from ..plugins import PluginRegistry, load_plugins
 from .kv_pool import ComponentRef, build_component, default_tolerance, skip_without_device
 
@@ -67,6 +82,13 @@ class AttnCase:
 
 
 ATTN_CASES = tuple(AttnCase(ps, g, d) for ps in (1, 16) for g in (1, 2, 4) for d in (64, 128))
+
+#: Per-layer (k, v) scales of a quantized test cache (layer ``i`` takes entry ``i % 2``): not 1.0, so a
+#: backend that ignores them fails.
+KV_TEST_SCALES = ((0.5, 2.0), (2.0, 0.25))
+#: ``(atol, rtol)`` within which attention over an FP8 (e4m3) cache of N(0, 1) keys and values agrees
+#: with attention over the unquantized cache (e4m3 keeps 3 mantissa bits: up to 6% per value).
+QUANTIZED_KV_TOLERANCE = (0.12, 0.1)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -101,6 +123,7 @@ class AttentionHarness:
         max_reqs: int = 6,
         max_len: int = 64,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         self.case = case
         self.device = torch.device(device)
@@ -114,7 +137,15 @@ class AttentionHarness:
         # The engine's device state: the page-table mirror and the fed-back tokens (all 0 here).
         self.page_table = torch.zeros(self.manager.table.shape, dtype=torch.int32, device=self.device)
         self.last_token = torch.zeros(max_reqs, dtype=torch.int64, device=self.device)
-        layout = KVLayout(num_layers, num_pages, ps, case.num_kv_heads, case.head_dim, dtype, self.device)
+        if kv_cache_dtype not in ("auto", *QUANTIZED_KV_DTYPES):
+            raise ValueError(
+                f"kv_cache_dtype must be auto or one of {list(QUANTIZED_KV_DTYPES)}, got {kv_cache_dtype!r}"
+            )
+        kv_dtype = QUANTIZED_KV_DTYPES.get(kv_cache_dtype, dtype)
+        layout = KVLayout(num_layers, num_pages, ps, case.num_kv_heads, case.head_dim, kv_dtype, self.device)
+        if layout.quantized:
+            scales = [KV_TEST_SCALES[i % len(KV_TEST_SCALES)] for i in range(num_layers)]
+            layout = replace(layout, k_scales=tuple(k for k, _ in scales), v_scales=tuple(v for _, v in scales))
         self.layout = layout
         self.pool = pool_factory(layout)
         assert isinstance(self.pool, BaseKVPool), f"the KV pool factory returned {type(self.pool).__name__}"
@@ -137,8 +168,10 @@ class AttentionHarness:
         )
         self.reference = TorchAttnBackend(replace(ctx, kv_pool=MHAKVPool(layout)))
         self.gen = torch.Generator().manual_seed(seed)
-        # Per request: the K/V of layer 0 so far (float64, CPU), to check the reference against plain math.
+        # Per request: the K/V of layer 0 so far (float64, CPU), to check the reference against plain math: as the
+        # cache holds them (de-quantized), and as computed (the same, for an unquantized cache).
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.raw_history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.live: list[Req] = []
         self.steps = 0
         self.num_requests = 0
@@ -148,8 +181,19 @@ class AttentionHarness:
         return torch.randn(*shape, generator=self.gen).to(device=self.device, dtype=self.dtype)
 
     def _append_history(self, rid: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        ks, vs = self.raw_history[rid]
+        self.raw_history[rid] = (torch.cat([ks, k.double().cpu()]), torch.cat([vs, v.double().cpu()]))
+        kq, vq = self._as_stored(k, v, 0)
         ks, vs = self.history[rid]
-        self.history[rid] = (torch.cat([ks, k.double().cpu()]), torch.cat([vs, v.double().cpu()]))
+        self.history[rid] = (torch.cat([ks, kq.double().cpu()]), torch.cat([vs, vq.double().cpu()]))
+
+    def _as_stored(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the cache holds for ``k``/``v`` of ``layer``, read back in float32 (de-quantized)."""
+        if not self.layout.quantized:
+            return k.to(self.dtype).float(), v.to(self.dtype).float()
+        ks, vs = self.layout.kv_scales(layer)
+        dtype = self.layout.dtype
+        return quantize_kv(k, ks, dtype).float() * ks, quantize_kv(v, vs, dtype).float() * vs
 
     def add_request(self, prompt_len: int, *, cached_prefix: int = 0, max_new_tokens: int = 8) -> Req:
         """Admit a request; ``cached_prefix`` tokens get K/V as if a prefix cache had matched them."""
@@ -160,7 +204,7 @@ class AttentionHarness:
         req = Req(rid=rid, input_ids=ids, params=params, max_new_tokens=max_new_tokens)
         assert self.manager.try_admit(req), "the harness's KV pool is too small for this scenario"
         empty = torch.empty(0, self.case.num_kv_heads, self.case.head_dim, dtype=torch.float64)
-        self.history[rid] = (empty, empty)
+        self.history[rid] = self.raw_history[rid] = (empty, empty)
         self.live.append(req)
         if cached_prefix:
             self.manager.allocate(req, cached_prefix)
@@ -179,7 +223,7 @@ class AttentionHarness:
         """Finish ``req``: its row and pages return to the manager (their stale K/V stays in the pool)."""
         self.manager.release(req)
         self.live.remove(req)
-        del self.history[req.rid]
+        del self.history[req.rid], self.raw_history[req.rid]
 
     # ------------------------------------------------------------------ step
     def prepare(self, plan: Sequence[tuple[Req, int]], phase: str | None = None) -> Batch:
@@ -232,6 +276,8 @@ class AttentionHarness:
     def _snapshot(self, layer: int, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         flat = (self.layout.num_slots, self.case.num_kv_heads, self.case.head_dim)
         k, v = self.pool.k_cache(layer).reshape(flat), self.pool.v_cache(layer).reshape(flat)
+        if self.layout.quantized:  # compared as bytes: float8 has few ops on CPU
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
         return (k.clone(), v.clone()) if copy else (k, v)
 
     def _check_output(
@@ -275,7 +321,8 @@ class AttentionHarness:
             rows = slice(start, start + n)
             self._append_history(req.rid, k[rows].view(n, hkv, d), v[rows].view(n, hkv, d))
             ks, vs = self.history[req.rid]
-            exact = reference_attention(q[rows].view(n, hq, d).cpu(), ks, vs, req.cached_len, self.ctx.scale)
+            qr = q[rows].view(n, hq, d).cpu()
+            exact = reference_attention(qr, ks, vs, req.cached_len, self.ctx.scale)
             got = want[rows].view(n, hq, d).double().cpu()
             bad = ~torch.isclose(got, exact, atol=2 * self.atol, rtol=2 * self.rtol)
             if bool(bad.any()):
@@ -283,6 +330,15 @@ class AttentionHarness:
                     f"{at}: the torch reference disagrees with float64 math for request {req.rid} "
                     f"(max abs error {(got - exact).abs().max().item():.3g}): a bug in the kit or the built-in backend"
                 )
+            if self.layout.quantized:
+                raw = reference_attention(qr, *self.raw_history[req.rid], req.cached_len, self.ctx.scale)
+                atol, rtol = QUANTIZED_KV_TOLERANCE
+                if not bool(torch.isclose(got, raw, atol=atol + self.atol, rtol=rtol).all()):
+                    raise AssertionError(
+                        f"{at}: attention over the {self.layout.dtype} cache is further from attention over the "
+                        f"unquantized K/V than QUANTIZED_KV_TOLERANCE allows for request {req.rid} "
+                        f"(max abs error {(got - raw).abs().max().item():.3g}; atol {atol}, rtol {rtol})"
+                    )
             start += n
 
     def _check_kv(
@@ -298,8 +354,14 @@ class AttentionHarness:
         untouched = torch.ones(self.layout.num_slots, dtype=torch.bool, device=self.device)
         untouched[out_loc] = False
         untouched[: self.case.page_size] = False  # page 0 is scratch: padded entries may write there
-        for name, old, new, want in (("K", before[0], after[0], k), ("V", before[1], after[1], v)):
-            stored, expected = new[out_loc].float(), want.to(self.dtype).float()
+        k_want, v_want = self._as_stored(k, v, layer)
+        k_scale, v_scale = self.layout.kv_scales(layer)
+        for name, old, new, expected, scale in (
+            ("K", before[0], after[0], k_want, k_scale),
+            ("V", before[1], after[1], v_want, v_scale),
+        ):
+            held = new[out_loc]
+            stored = held.view(self.layout.dtype).float() * scale if self.layout.quantized else held.float()
             bad = ~torch.isclose(stored, expected, atol=self.kv_atol, rtol=self.kv_rtol).flatten(1).all(dim=1)
             if bool(bad.any()):
                 rows = torch.nonzero(bad).view(-1).tolist()
@@ -328,6 +390,9 @@ class AttentionBackendConformance:
         Output tolerance against the reference; ``None`` uses :func:`default_tolerance`.
     ``page_sizes``, ``gqa_ratios``, ``head_dims``
         Restrict the matrix to what the backend supports (other cases skip).
+    ``kv_cache_dtype``
+        ``"fp8_e4m3"`` for a backend whose spec lists it in ``kv_cache_dtypes``: both pools store float8
+        with per-layer scales (``atol``/``rtol`` then compare two readers of the same quantized cache).
     """
 
     backend: ComponentRef
@@ -343,6 +408,7 @@ class AttentionBackendConformance:
     head_dims: tuple[int, ...] = (64, 128)
     num_layers: int = 2
     seed: int = 0
+    kv_cache_dtype: str = "auto"
 
     def load_registry(self) -> PluginRegistry:
         """The registry plain names are looked up in (override to pin plugins)."""
@@ -378,6 +444,7 @@ class AttentionBackendConformance:
             kv_tolerance=(self.kv_atol, self.kv_rtol),
             num_layers=self.num_layers,
             seed=self.seed,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: c.id)

@@ -50,7 +50,10 @@ class CPUAttnBackend(TorchAttnBackend):
         super().__init__(ctx)
         k0, v0, table = ctx.kv_pool.k_cache(0), ctx.kv_pool.v_cache(0), ctx.page_table
         if ctx.device.type != "cpu" or not ctx.dtype == k0.dtype == v0.dtype == torch.float32:
-            raise ValueError(f"the cpu attention backend runs float32 on CPU, not {ctx.dtype} on {ctx.device.type}")
+            raise ValueError(
+                f"the cpu attention backend runs float32 on CPU with a float32 KV cache, not {ctx.dtype} with a "
+                f"{k0.dtype} cache on {ctx.device.type}; use --attn torch (it reads an FP8 KV cache too)"
+            )
         if not (k0.is_contiguous() and v0.is_contiguous() and table.dtype == torch.int32 and table.stride(1) == 1):
             raise ValueError("the cpu attention backend needs a contiguous KV pool and an int32 page table")
         lib = load_cpu_kernels()

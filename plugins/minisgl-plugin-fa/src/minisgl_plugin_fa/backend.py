@@ -34,6 +34,13 @@ from .support import choose_generation, installed_generations
 # (q [tokens, heads, head_dim], k_cache, v_cache) -> output like q
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
+# Why the spec declares no quantized KV dtype: FlashAttention 3 reads an FP8 cache only with an FP8 query (its
+# descale factors cover q, k and v together), FlashAttention 2 and 4 not at all.
+FP8_KV_REFUSAL = (
+    "fa attention backend: FlashAttention reads an FP8 KV cache only with an FP8 query (FlashAttention 3; "
+    "not 2 or 4), which this backend does not quantize; use --attn flashinfer for --kv-cache-dtype fp8_e4m3"
+)
+
 
 @dataclass
 class FlashAttnMetadata:
@@ -78,6 +85,13 @@ class FlashAttnBackend(BaseAttnBackend):
     def __init__(
         self, ctx: AttentionContext, *, generation: int | None = None, kernels: FlashAttnKernels | None = None
     ):
+        if ctx.kv_pool.layout.dtype != ctx.dtype:
+            raise ValueError(
+                FP8_KV_REFUSAL
+                if ctx.kv_pool.layout.quantized
+                else "fa attention backend: the KV pool "
+                f"stores {ctx.kv_pool.layout.dtype}, the model computes {ctx.dtype}; expected the same"
+            )
         if kernels is None:
             kernels = build_kernels(ctx, generation)
         problem = kernels.problem(ctx.head_dim, ctx.dtype, ctx.page_size)

@@ -10,6 +10,11 @@ Per batch, the wrapper is planned once (``prepare_metadata``) and then run by
 every layer. Host-side inputs to ``plan`` (index pointers, last-page lengths)
 stay on the CPU, which is what FlashInfer's scheduler reads; only the page
 indices live on the device.
+
+An FP8 KV pool (``--kv-cache-dtype fp8_e4m3``) is planned with ``kv_data_type``
+float8 and run with the layer's scales: FlashInfer folds ``k_scale`` into the
+softmax scale and multiplies the output by ``v_scale`` (a scale of 1.0 is not
+passed, which saves that multiplication).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from minisgl.core import Batch
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_KV_DTYPES = (torch.float8_e4m3fn,)  # besides the model dtype
 WORKSPACE_BYTES = 256 << 20
 
 
@@ -58,6 +64,11 @@ class FlashInferAttnBackend(BaseAttnBackend):
             )
         if ctx.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"flashinfer backend: dtype {ctx.dtype} is not supported; use --dtype bfloat16 or float16")
+        layout = ctx.kv_pool.layout
+        if layout.dtype != ctx.dtype and layout.dtype not in SUPPORTED_KV_DTYPES:
+            raise ValueError(
+                f"flashinfer backend: a {layout.dtype} KV cache is not supported (the model dtype or float8_e4m3fn)"
+            )
         import flashinfer  # the kernel library is imported only when the backend is built
 
         self.ctx = ctx
@@ -72,6 +83,10 @@ class FlashInferAttnBackend(BaseAttnBackend):
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self.graph_wrappers: dict[int, Any] = {}
+        # Per layer: the keyword arguments of run() that apply the KV scales (none for an unquantized cache).
+        self._scale_args: list[dict[str, float]] = [
+            _scale_args(*layout.kv_scales(i)) if layout.quantized else {} for i in range(layout.num_layers)
+        ]
         self._arange_cache = torch.arange(0, dtype=torch.int64, device=ctx.device)
 
     # ------------------------------------------------------------ page lists
@@ -160,7 +175,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
         pool = c.kv_pool
         pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
-        out = meta.wrapper.run(q.view(-1, hq, d), (pool.k_cache(layer_id), pool.v_cache(layer_id)))
+        kv = (pool.k_cache(layer_id), pool.v_cache(layer_id))
+        out = meta.wrapper.run(q.view(-1, hq, d), kv, **self._scale_args[layer_id])
         return out.view(-1, hq * d)
 
     # ------------------------------------------------------------ CUDA graphs
@@ -196,3 +212,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         indptr, indices, last = self._page_lists(batch, pad_to=batch.padded_size)
         self._plan_decode(wrapper, indptr, indices, last)
         batch.attn_metadata = FlashInferMetadata(wrapper)
+
+
+def _scale_args(k_scale: float, v_scale: float) -> dict[str, float]:
+    """``k_scale``/``v_scale`` for ``run()``, leaving out those equal to 1.0."""
+    return {name: value for name, value in (("k_scale", k_scale), ("v_scale", v_scale)) if value != 1.0}

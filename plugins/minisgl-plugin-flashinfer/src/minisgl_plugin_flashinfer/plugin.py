@@ -24,6 +24,7 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
             factory="minisgl_plugin_flashinfer.backend:FlashInferAttnBackend",
             aliases=("fi",),
             is_supported=is_supported,
-            description="FlashInfer paged prefill and decode (CUDA graphs for decode)",
+            description="FlashInfer paged prefill and decode (CUDA graphs for decode; FP8 KV cache)",
+            kv_cache_dtypes=("fp8_e4m3",),
         )
     ]
