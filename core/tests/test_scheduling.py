@@ -81,20 +81,20 @@ def test_prefill_first_policy_pauses_streams(make_llm) -> None:
 
 
 # ---------------------------------------------------------------------- admission and preemption
-PREEMPT_PROMPTS = random_prompts([30, 7, 52, 18, 41, 9, 25, 60], 512, seed=21)
+PREEMPT_PROMPTS = random_prompts([12, 5, 20, 9, 16, 7], 512, seed=21)
+PREEMPT_PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _preempting(make_llm, **kwargs):  # type: ignore[no-untyped-def]
-    """A pool far smaller than the worst case of the requests: 24 pages of 4 tokens."""
-    return make_llm(page_size=4, num_pages=25, admit_reserve_tokens=4, chunked_prefill_size=32, **kwargs)
+    """A pool of 16 pages of 4 tokens, where the requests' worst case needs 41, and no growth reserved."""
+    return make_llm(page_size=4, num_pages=17, admit_reserve_tokens=0, chunked_prefill_size=16, **kwargs)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_preempted_requests_give_the_outputs_of_an_unpreempted_run(make_llm, overlap: bool) -> None:
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    reference = _run(make_llm(overlap_schedule=overlap), PREEMPT_PROMPTS, params)
+    reference = _run(make_llm(overlap_schedule=overlap), PREEMPT_PROMPTS, PREEMPT_PARAMS, check_every_step=False)
     llm = _preempting(make_llm, overlap_schedule=overlap)
-    assert _run(llm, PREEMPT_PROMPTS, params) == reference
+    assert _run(llm, PREEMPT_PROMPTS, PREEMPT_PARAMS) == reference
     assert llm.scheduler.stats["preemptions"] > 0
     assert llm.scheduler.kv.reserved_pages == 0
 
@@ -102,12 +102,12 @@ def test_preempted_requests_give_the_outputs_of_an_unpreempted_run(make_llm, ove
 def test_seeded_penalised_and_logprob_requests_survive_preemption(make_llm) -> None:
     """Seeded noise depends on the request's own step count, penalties on its output: recompute changes neither."""
     params = [
-        SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=30, ignore_eos=True, logprobs=1)
+        SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=16, ignore_eos=True, logprobs=1)
         if i % 2
-        else SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=30, ignore_eos=True)
+        else SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=16, ignore_eos=True)
         for i in range(len(PREEMPT_PROMPTS))
     ]
-    reference = _run(make_llm(), PREEMPT_PROMPTS, params)
+    reference = _run(make_llm(), PREEMPT_PROMPTS, params, check_every_step=False)
     llm = _preempting(make_llm)
     assert _run(llm, PREEMPT_PROMPTS, params) == reference
     assert llm.scheduler.stats["preemptions"] > 0
@@ -116,8 +116,7 @@ def test_seeded_penalised_and_logprob_requests_survive_preemption(make_llm) -> N
 def test_abort_of_a_preempted_request_returns_everything(make_llm) -> None:
     llm = _preempting(make_llm)
     sched = llm.scheduler
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    reqs = [sched.add_request(p, params) for p in PREEMPT_PROMPTS]
+    reqs = [sched.add_request(p, PREEMPT_PARAMS) for p in PREEMPT_PROMPTS]
     while not any(r.preemptions for r in reqs):
         sched.step()
     victim = next(r for r in reqs if r.preemptions and not r.is_finished)
@@ -127,7 +126,7 @@ def test_abort_of_a_preempted_request_returns_everything(make_llm) -> None:
         sched.step()
         llm.check_accounting()
     assert victim.finish_reason == "abort"
-    assert all(len(r.output_ids) == 30 for r in reqs if r is not victim)
+    assert all(len(r.output_ids) == 16 for r in reqs if r is not victim)
 
 
 def test_a_small_request_is_answered_while_long_default_length_requests_run(make_llm) -> None:
@@ -153,9 +152,8 @@ def test_a_small_request_is_answered_while_long_default_length_requests_run(make
 
 
 def test_worst_case_reservation_never_preempts(make_llm) -> None:
-    llm = make_llm(page_size=4, num_pages=25, admit_reserve_tokens=1 << 20, chunked_prefill_size=32)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    _run(llm, PREEMPT_PROMPTS, params)
+    llm = make_llm(page_size=4, num_pages=17, admit_reserve_tokens=1 << 20, chunked_prefill_size=16)
+    _run(llm, PREEMPT_PROMPTS, PREEMPT_PARAMS)
     assert llm.scheduler.stats["preemptions"] == 0
 
 
@@ -196,7 +194,7 @@ def test_step_trace_has_a_header_and_one_line_per_step(make_llm, tmp_path) -> No
 def test_step_trace_reports_preemptions(make_llm, tmp_path) -> None:
     path = tmp_path / "steps.jsonl"
     llm = _preempting(make_llm, trace_steps=str(path))
-    _run(llm, PREEMPT_PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    _run(llm, PREEMPT_PROMPTS, PREEMPT_PARAMS, check_every_step=False)
     preemptions = llm.scheduler.stats["preemptions"]
     llm.scheduler.close()
     steps = [json.loads(line) for line in path.read_text().splitlines()[1:]]
