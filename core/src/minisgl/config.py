@@ -66,7 +66,9 @@ class EngineFields(BaseModel):
     cuda_graph_max_bs: int = Field(256, ge=0, description="largest decode batch captured in a CUDA graph; 0 = none")
     overlap_schedule: bool = Field(True, description="overlap scheduling with the GPU step")
     trace_steps: str | None = Field(
-        None, description="write one JSON line per scheduler step to this file (timings, batch, stalls)"
+        None,
+        description="write one JSON line per scheduler step to this file (timings, batch, stalls)",
+        json_schema_extra={"metavar": "FILE"},
     )
     tp: int = Field(1, ge=1, description="tensor-parallel size (number of GPUs; processes on CPU)")
     nnodes: int = Field(1, ge=1, description="nodes the tensor-parallel ranks span")

@@ -294,7 +294,11 @@ class StepInputs:
     @classmethod
     def build(cls, batch: Batch, new_entries: torch.Tensor | None, device: torch.device) -> StepInputs:
         """Host work and one host-to-device copy (pinned, non-blocking on CUDA)."""
-        rows, pos, ids, sample, decode = [], [], [], [], []
+        rows: list[int] = []
+        pos: list[int] = []
+        ids: list[int] = []
+        sample: list[int] = []
+        decode: list[int] = []
         if batch.is_decode:
             rows = [r.table_idx for r in batch.reqs]
             pos = [r.cached_len for r in batch.reqs]

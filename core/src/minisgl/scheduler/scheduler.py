@@ -160,7 +160,7 @@ class Scheduler:
         """Run one batch (see the module docstring for what it holds). The events of the batch whose tokens
         arrived (with overlap, the previous one)."""
         trace = self.trace
-        clock = self._clock = trace.begin() if trace is not None else None
+        self._clock = trace.begin() if trace is not None else None
         lockstep = not self.overlap or self._lockstep_reqs > 0
         events = self._drain() if lockstep else []
         batch = self._schedule(events)

@@ -67,6 +67,11 @@ class StepTrace:
         gc.callbacks.append(self._on_gc)
         self._triton_hooked = self._hook_triton()
 
+    @property
+    def steps(self) -> int:
+        """Step lines recorded so far."""
+        return self._step
+
     # ------------------------------------------------------------------ noting stalls
     def note(self, event: str) -> None:
         """Report ``event`` ("name" or "name:detail") with the step that runs next (or is running)."""
