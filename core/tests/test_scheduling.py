@@ -8,6 +8,7 @@ import json
 import pytest
 
 from minisgl import SamplingParams
+from minisgl.core import ValidationError
 from minisgl.testing.models import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -200,3 +201,9 @@ def test_step_trace_reports_preemptions(make_llm, tmp_path) -> None:
     steps = [json.loads(line) for line in path.read_text().splitlines()[1:]]
     noted = sum(int(e.split(":")[1]) for s in steps for e in s["events"] if e.startswith("preempt:"))
     assert noted == preemptions > 0
+
+
+def test_step_trace_to_an_unwritable_path_is_a_clear_error(make_llm, tmp_path) -> None:
+    missing = tmp_path / "no-such-folder" / "steps.jsonl"
+    with pytest.raises(ValidationError, match=r"trace_steps: cannot open '.*steps.jsonl' for appending"):
+        make_llm(trace_steps=str(missing))

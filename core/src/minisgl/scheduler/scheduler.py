@@ -94,7 +94,11 @@ class Scheduler:
                 "overlap_schedule": cfg.overlap_schedule,
                 "cuda_graphs": engine.graphs is not None,
             }
-            self.trace = StepTrace(cfg.trace_steps, header, engine.device)
+            try:
+                self.trace = StepTrace(cfg.trace_steps, header, engine.device)
+            except OSError as exc:
+                why = f"cannot open '{cfg.trace_steps}' for appending ({exc.strerror}); give a writable file"
+                raise ValidationError("trace_steps", why) from None
 
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
         """Validate and queue a request; :class:`ValidationError` if it can never run."""
