@@ -240,6 +240,9 @@ def test_metrics_count_tokens(tiny_server: Server, client: Any, tiny_model: Path
     assert generated == out.usage.completion_tokens
     assert after["minisgl_time_to_first_token_seconds_count"] == before["minisgl_time_to_first_token_seconds_count"] + 1
     assert after["minisgl_kv_pages_total"] == 159
+    idle = tiny_server.settled_metrics()
+    assert idle["minisgl_kv_pages_reserved"] == 0 and idle["minisgl_preemptions_total"] == 0
+    assert idle["minisgl_kv_pages_free"] + idle["minisgl_kv_pages_cached"] == idle["minisgl_kv_pages_total"]
     text = httpx.get(tiny_server.url + "/metrics").text
     assert "minisgl_inter_token_latency_seconds_bucket" in text
     assert 'minisgl_kv_cache_info{dtype="float32"} 1.0' in text  # what the KV cache stores (CPU: the model dtype)

@@ -46,6 +46,19 @@ class EngineFields(BaseModel):
     chunked_prefill_size: int | None = Field(
         None, ge=1, description="prompt tokens computed per step; default: 8192 on a GPU, 512 on CPU"
     )
+    mixed_prefill: bool = Field(
+        True,
+        description="while prompt tokens wait, a step decodes every running request and computes up to "
+        "chunked_prefill_size prompt tokens (running streams never pause for a long prompt); off: a step is a "
+        "prefill while prompt tokens wait, else a decode",
+    )
+    admit_reserve_tokens: int = Field(
+        512,
+        ge=0,
+        description="output tokens a request reserves KV pages for at admission (at most its max_tokens); it "
+        "grows past them on demand and, when the pool runs out, the newest request is preempted (its pages freed, "
+        "recomputed later); at least the context length reserves the worst case and never preempts",
+    )
     max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
     num_pages: int | None = Field(None, ge=2, description="KV cache pages; default: sized from memory")
     mem_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for the KV cache")
@@ -62,6 +75,11 @@ class EngineFields(BaseModel):
     seed: int = Field(0, description="seed of the sampler for requests without their own seed")
     cuda_graph_max_bs: int = Field(256, ge=0, description="largest decode batch captured in a CUDA graph; 0 = none")
     overlap_schedule: bool = Field(True, description="overlap scheduling with the GPU step")
+    trace_steps: str | None = Field(
+        None,
+        description="write one JSON line per scheduler step to this file (timings, batch, stalls)",
+        json_schema_extra={"metavar": "FILE"},
+    )
     tp: int = Field(1, ge=1, description="tensor-parallel size (number of GPUs; processes on CPU)")
     nnodes: int = Field(1, ge=1, description="nodes the tensor-parallel ranks span")
     node_rank: int = Field(0, ge=0, description="this node's index; nodes other than 0 run ranks only, no API")

@@ -180,6 +180,14 @@ class Req:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     step_seed: int = 0  # sampling step count, mixed into a per-request seed
     matcher: Any = None  # the grammar matcher of a constrained request (from the grammar backend), None once finished
+    #: Leading tokens of ``all_ids`` computed as a prefill: the prompt, or after a preemption the prompt and the
+    #: tokens generated so far (recomputed; the last one's logits sample the next token). 0: the prompt.
+    fill_len: int = 0
+    preemptions: int = 0  # times the scheduler retracted this request to free its pages
+
+    def __post_init__(self) -> None:
+        if self.fill_len == 0:
+            self.fill_len = len(self.input_ids)
 
     @property
     def all_ids(self) -> list[int]:
@@ -188,6 +196,15 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Whether every token the host knows has its KV (or is computed in flight): the next step decodes."""
+        return self.cached_len >= self.fill_len
+
+    def fill_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of the prefill, ``end <= fill_len``."""
+        return self.input_ids[start:end] if end <= len(self.input_ids) else self.all_ids[start:end]
 
     @property
     def total_len(self) -> int:

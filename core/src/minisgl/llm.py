@@ -52,6 +52,7 @@ class LLM:
         self._closed = True
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req.rid)
+        self.scheduler.close()  # the step trace's last lines
         if self._ranks is not None:
             self._ranks.shutdown(self.scheduler)
         del self.scheduler, self.engine

@@ -117,6 +117,8 @@ class Engine:
         # The token each request sampled last, by table row: the input of its next decode step.
         self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
         self.graphs = self._build_graphs()
+        #: Whether the last :meth:`launch` replayed a CUDA graph (a decode batch that could not is a graph miss).
+        self.last_launch_replayed = False
 
     # ------------------------------------------------------------------ build
     def _build_components(self) -> None:
@@ -308,7 +310,9 @@ class Engine:
         rows that sample (the scheduler may wait there for the previous step's tokens while this one runs)."""
         inputs.apply(batch, self.page_table, self.last_token)
         reqs = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
-        if self.graphs is not None and self.graphs.can_run(batch):
+        self.last_launch_replayed = self.graphs is not None and self.graphs.can_run(batch)
+        if self.last_launch_replayed:
+            assert self.graphs is not None
             logits = self.graphs.replay(batch)
         else:
             hidden = self._forward(batch)
@@ -348,12 +352,18 @@ class StepInputs:
     positions: torch.Tensor  # position of each new token
     input_ids: torch.Tensor | None  # None (decode): the token each row sampled last
     sample_idx: torch.Tensor | None  # the tokens whose logits are sampled (None: all)
+    #: Tokens of a prefill batch that are decoding requests' last sampled tokens (a mixed batch): on the device.
+    decode_idx: torch.Tensor | None
     new_entries: torch.Tensor | None  # [3, n] (row, column, slot) to mirror into the page table
 
     @classmethod
     def build(cls, batch: Batch, new_entries: torch.Tensor | None, device: torch.device) -> StepInputs:
         """Host work and one host-to-device copy (pinned, non-blocking on CUDA)."""
-        rows, pos, ids, sample = [], [], [], []
+        rows: list[int] = []
+        pos: list[int] = []
+        ids: list[int] = []
+        sample: list[int] = []
+        decode: list[int] = []
         if batch.is_decode:
             rows = [r.table_idx for r in batch.reqs]
             pos = [r.cached_len for r in batch.reqs]
@@ -361,22 +371,27 @@ class StepInputs:
             for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):
                 rows.extend([req.table_idx] * req.extend_len)
                 pos.extend(range(req.cached_len, req.device_len))
-                ids.extend(req.input_ids[req.cached_len : req.device_len])
+                if req.is_decoding:  # its input is the token it sampled last, maybe not on the host yet
+                    decode.append(len(ids))
+                    ids.append(0)
+                else:
+                    ids.extend(req.fill_ids(req.cached_len, req.device_len))
                 if samples:
                     sample.append(len(pos) - 1)
-        flat = rows + pos + ids + sample
+        flat = rows + pos + ids + sample + decode
         host = torch.tensor(flat, dtype=torch.int64)
         if new_entries is not None:
             host = torch.cat([host, new_entries.view(-1)])
         if device.type != "cpu":
             host = host.pin_memory().to(device, non_blocking=True)
-        sizes = [len(rows), len(pos), len(ids), len(sample), host.numel() - len(flat)]
-        rows_t, pos_t, ids_t, sample_t, entries = host.split(sizes)
+        sizes = [len(rows), len(pos), len(ids), len(sample), len(decode), host.numel() - len(flat)]
+        rows_t, pos_t, ids_t, sample_t, decode_t, entries = host.split(sizes)
         return cls(
             rows=rows_t,
             positions=pos_t,
             input_ids=ids_t if batch.is_prefill else None,
             sample_idx=sample_t if batch.is_prefill else None,
+            decode_idx=decode_t if decode else None,
             new_entries=entries.view(3, -1) if new_entries is not None else None,
         )
 
@@ -386,7 +401,12 @@ class StepInputs:
             page_table[self.new_entries[0], self.new_entries[1]] = self.new_entries[2].to(page_table.dtype)
         batch.positions = self.positions
         batch.out_loc = page_table[self.rows, self.positions].to(torch.int64)
-        batch.input_ids = last_token[self.rows] if self.input_ids is None else self.input_ids
+        if self.input_ids is None:
+            batch.input_ids = last_token[self.rows]
+        else:
+            if self.decode_idx is not None:  # this step's own copy of the ids: filled in place
+                self.input_ids[self.decode_idx] = last_token[self.rows[self.decode_idx]]
+            batch.input_ids = self.input_ids
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Page accounting: the free list, the host request-to-slot table and the prefix cache.
 
 Every usable page is free, owned by the prefix cache, or owned by one live request; page 0 is scratch (padded
-entries write there). Admission reserves each request's worst case (prompt plus ``max_new_tokens``), so nothing
-is ever preempted. Running requests offer their computed prompt pages to the cache, so a burst with a shared
-system prompt computes it once."""
+entries write there). Admission reserves what a request needs now plus the growth the scheduler estimates for it
+(:meth:`KVCacheManager.try_admit`); past its reservation a request takes spare pages (:attr:`spare_pages`), and when
+there are none the scheduler preempts one. Running requests offer their computed prompt pages to the cache, so a
+burst with a shared system prompt computes it once."""
 
 from __future__ import annotations
 
@@ -55,6 +56,22 @@ class KVCacheManager:
         return list(self._free_pages)
 
     @property
+    def reserved_pages(self) -> int:
+        """Pages set aside for admitted requests' growth (not yet taken from the free list)."""
+        return self._reserved_total
+
+    @property
+    def spare_pages(self) -> int:
+        """Pages free or evictable and not reserved: what a request may take past its reservation."""
+        return self.free_pages + self.cache.evictable_size // self.page_size - self._reserved_total
+
+    def growth_pages(self, req: Req, upto: int) -> int:
+        """Pages beyond its reservation ``req`` needs for positions ``[0, upto)`` (taken from the spare ones)."""
+        state = self._rows[req.table_idx]
+        new_pages = self.pages_for(upto) - state.alloc_len // self.page_size
+        return max(0, new_pages - state.reserved_pages)
+
+    @property
     def cache_pages(self) -> int:
         return self.cache.total_size() // self.page_size
 
@@ -75,15 +92,17 @@ class KVCacheManager:
         self._share_prefixes()
         return self.cache.match_prefix(token_ids).length
 
-    def try_admit(self, req: Req) -> bool:
-        """Match the prompt's cached prefix, lock it and reserve the rest; False if it does not fit now."""
+    def try_admit(self, req: Req, reserve_len: int | None = None) -> bool:
+        """Match the prefill's cached prefix, lock it and reserve pages for positions ``[0, reserve_len)`` beyond
+        it (default: the worst case, ``max_total_len``); False if that does not fit now."""
         if not self._free_rows:
             return False
         self._share_prefixes()
-        # Always compute at least the last prompt token: its logits start decoding.
-        match = self.cache.match_prefix(req.input_ids[: req.prompt_len - 1])
+        # Always compute at least the last prefill token: its logits start decoding.
+        match = self.cache.match_prefix(req.fill_ids(0, req.fill_len - 1))
         self.cache.lock(match.handle)
-        need = self.pages_for(req.max_total_len) - match.length // self.page_size
+        upto = req.max_total_len if reserve_len is None else max(reserve_len, req.fill_len)
+        need = self.pages_for(upto) - match.length // self.page_size
         # A request may reserve pages that are free or evictable and not reserved by another.
         if need > self.free_pages + self.cache.evictable_size // self.page_size - self._reserved_total:
             self.cache.unlock(match.handle)
@@ -107,12 +126,12 @@ class KVCacheManager:
         twice at once) stays the request's own: the device table already has its slots."""
         for row, state in self._rows.items():
             req = state.req
-            end = min(req.cached_len, req.prompt_len)
+            end = min(req.cached_len, req.fill_len)
             end -= end % self.page_size
             if end <= state.offered_len:
                 continue
             state.offered_len = end
-            tokens = req.input_ids[:end]
+            tokens = req.fill_ids(0, end)
             if self.cache.match_prefix(tokens).length != state.shared_len:
                 continue
             kept_from = self.cache.insert(tokens, self.table[row, :end].to(torch.int64))
@@ -135,8 +154,9 @@ class KVCacheManager:
         if upto > state.alloc_len:
             new_pages = self.pages_for(upto) - state.alloc_len // self.page_size
             pages = self._take_pages(new_pages)
-            state.reserved_pages -= new_pages
-            self._reserved_total -= new_pages
+            from_reserve = min(new_pages, state.reserved_pages)  # the rest were spare pages
+            state.reserved_pages -= from_reserve
+            self._reserved_total -= from_reserve
             offsets = torch.arange(self.page_size, dtype=torch.int32)
             slots = (pages.view(-1, 1) * self.page_size + offsets).view(-1)
             end = state.alloc_len + slots.numel()
@@ -166,7 +186,7 @@ class KVCacheManager:
             freed = self.cache.evict((n - len(self._free_pages)) * self.page_size)
             self._return_slots(freed)
         if n > len(self._free_pages):
-            raise RuntimeError(  # admission reserves pages, so this is a bug, not user error
+            raise RuntimeError(  # admission reserves pages and the scheduler preempts: this is a bug
                 f"KV pool exhausted: need {n} pages, {len(self._free_pages)} free after eviction"
             )
         taken = self._free_pages[len(self._free_pages) - n :]
@@ -222,6 +242,9 @@ class KVCacheManager:
             pages = self.table[req.table_idx, state.shared_len : state.alloc_len : self.page_size] // self.page_size
             claim(pages.tolist(), f"request {req.rid}")
         self.cache.check_integrity()
+        reserved = sum(s.reserved_pages for s in self._rows.values())
+        assert reserved == self._reserved_total, f"{self._reserved_total} pages reserved, rows hold {reserved}"
+        assert self.spare_pages >= 0, f"{self._reserved_total} pages reserved but only {self.spare_pages} spare"
         assert len(owner) == self.usable_pages, (
             f"{self.usable_pages - len(owner)} pages leaked: {len(self._free_pages)} free, "
             f"{len(owner) - len(self._free_pages)} owned, {self.usable_pages} usable"

@@ -1,14 +1,25 @@
-"""Continuous batching: chunked prefill, admission by KV capacity (first come, first served), overlap.
+"""Continuous batching: chunked prefill mixed into decode steps, admission on what a request needs now, preemption,
+overlap.
+
+A step decodes every running request and, while prompt tokens wait, computes up to ``chunked_prefill_size`` of them
+in the same batch (``mixed_prefill``; off: a step is a prefill while prompt tokens wait, else a decode). Admission is
+first come, first served; a request reserves pages for its prefill plus ``admit_reserve_tokens`` of output (at most
+its ``max_tokens``) and grows past that from the spare pages. When a step's decodes find no spare page, the newest
+running request is preempted: its pages go back (its computed prefix to the prefix cache), it keeps its output and
+returns to the front of the queue, and on re-admission its prompt and output are computed again as one prefill (the
+last token's logits sample the next one), so greedy and seeded outputs are those of an unpreempted run.
 
 With ``overlap_schedule`` batch N+1 is launched before N's tokens are read (decode feeds the token the engine
 kept on the device), so a request that stops in N may compute one discarded token in N+1. Requests whose
-sampling reads host-side history (penalties, logprobs) switch to lock-step while they run.
+sampling reads host-side history (penalties, logprobs) switch to lock-step while they run. A step that preempts
+reads the batch in flight first.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +29,7 @@ from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, Validati
 from ..engine import Engine, PendingStep, StepInputs
 from ..engine.grammar import TokenMask, error_field, make_grammar_backend
 from ..kvcache import KVCacheManager
+from .trace import StepClock, StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +67,38 @@ class Scheduler:
         self._by_rid: dict[int, Req] = {}
         self._rids = itertools.count()
         self.vocab_size = int(engine.hf_config.vocab_size)
-        self.stats = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
+        self.stats = {
+            "prompt_tokens": 0,
+            "computed_prompt_tokens": 0,  # recomputed ones included
+            "cached_prompt_tokens": 0,
+            "generated_tokens": 0,
+            "preemptions": 0,
+            "recomputed_tokens": 0,  # tokens a preemption dropped from the KV cache (some come back from the cache)
+        }
         self.overlap = cfg.overlap_schedule
         self._inflight: tuple[Batch, PendingStep] | None = None
         self._lockstep_reqs = 0  # live requests whose sampling reads host-side history
         self.grammar, self._no_grammar = make_grammar_backend(engine, tokenizer, self.eos_token_ids)
+        self._clock: StepClock | None = None  # the step being traced
+        self.trace: StepTrace | None = None
+        if cfg.trace_steps and engine.tp.rank == 0:
+            header = {
+                "model": str(cfg.model),
+                "device": str(engine.device),
+                "page_size": cfg.page_size,
+                "num_pages": int(self.kv.usable_pages),
+                "chunked_prefill_size": cfg.chunked_prefill_size,
+                "max_running_requests": cfg.max_running_requests,
+                "mixed_prefill": cfg.mixed_prefill,
+                "admit_reserve_tokens": cfg.admit_reserve_tokens,
+                "overlap_schedule": cfg.overlap_schedule,
+                "cuda_graphs": engine.graphs is not None,
+            }
+            try:
+                self.trace = StepTrace(cfg.trace_steps, header, engine.device)
+            except OSError as exc:
+                why = f"cannot open '{cfg.trace_steps}' for appending ({exc.strerror}); give a writable file"
+                raise ValidationError("trace_steps", why) from None
 
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
         """Validate and queue a request; :class:`ValidationError` if it can never run."""
@@ -91,7 +130,10 @@ class Scheduler:
             kind, text = params.grammar
             if self.grammar is None:
                 raise ValidationError(error_field(kind), self._no_grammar)
+            t0 = time.perf_counter()
             req.matcher = self.grammar.matcher(self.grammar.compile(kind, text))
+            if self.trace is not None:
+                self.trace.note(f"grammar_compile:{(time.perf_counter() - t0) * 1000:.1f}ms")
         self._by_rid[req.rid] = req
         self.waiting.append(req)
         if _needs_lockstep(req):
@@ -119,12 +161,15 @@ class Scheduler:
         return len(self.waiting)
 
     def step(self) -> list[TokenEvent]:
-        """Run one batch: a prefill while prompt tokens are left (up to ``chunked_prefill_size``), else a decode
-        of every running request. The events of the batch whose tokens arrived (with overlap, the previous one)."""
+        """Run one batch (see the module docstring for what it holds). The events of the batch whose tokens
+        arrived (with overlap, the previous one)."""
+        trace = self.trace
+        self._clock = trace.begin() if trace is not None else None
         lockstep = not self.overlap or self._lockstep_reqs > 0
         events = self._drain() if lockstep else []
-        batch = self._schedule_prefill() or self._schedule_decode()
+        batch = self._schedule(events)
         if batch is None:
+            self._clock = None
             return events if lockstep else self._drain()
         if lockstep:
             return events + self._process(batch, self._launch(batch, lambda: self._mask(batch)))
@@ -146,16 +191,59 @@ class Scheduler:
         self._inflight = (batch, pending)
         return events
 
+    def close(self) -> None:
+        """Finish the step trace (if any): its last lines are written and the file closed."""
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    def _trace_fields(self, batch: Batch) -> dict[str, Any]:
+        """The step's composition and gauges for its trace line (before its launch)."""
+        prefill = [r for r in batch.reqs if not r.is_decoding]
+        n_decode = batch.size - len(prefill)
+        prefill_tokens = sum(r.extend_len for r in prefill)
+        return {
+            "kind": "decode" if not prefill else ("mixed" if n_decode else "prefill"),
+            "reqs": batch.size,
+            "prefill_reqs": len(prefill),
+            "decode_reqs": n_decode,
+            "tokens": prefill_tokens + n_decode,
+            "prefill_tokens": prefill_tokens,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "free_pages": self.kv.free_pages,
+            "reserved_pages": self.kv.reserved_pages,
+        }
+
     def _prepare(self, batch: Batch) -> StepInputs:
         """Allocate KV slots for the batch's new tokens; the engine's inputs for it."""
         for req in batch.reqs:
             self.kv.allocate(req, req.device_len)
         if batch.is_prefill:
-            self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs)
+            self.stats["computed_prompt_tokens"] += sum(r.extend_len for r in batch.reqs if not r.is_decoding)
         return self.engine.prepare(batch, self.kv.take_new_entries(batch.reqs))
 
     def _launch(self, batch: Batch, before_sample: Callable[[], TokenMask | None]) -> PendingStep:
-        pending = self.engine.launch(batch, self._prepare(batch), before_sample)
+        inputs = self._prepare(batch)
+        clock, trace = self._clock, self.trace
+        self._clock = None
+        if clock is None or trace is None:
+            pending = self.engine.launch(batch, inputs, before_sample)
+        else:
+            fields = self._trace_fields(batch)
+            gpu = trace.gpu_events()
+            if gpu is not None:
+                gpu[0].record()
+            clock.launch_began, clock.launch_waited = time.perf_counter(), clock.waited
+            self._clock = clock  # the launch may read the batch in flight (before_sample): its wait is counted
+            pending = self.engine.launch(batch, inputs, before_sample)
+            self._clock = None
+            if gpu is not None:
+                gpu[1].record()
+            clock.launched = time.perf_counter()
+            if batch.is_decode and self.engine.device.type == "cuda" and not self.engine.last_launch_replayed:
+                clock.events.append(f"graph_miss:bs={batch.size}" if self.engine.graphs is not None else "eager")
+            trace.record(clock, fields, gpu)
         # The KV of these positions is (or, on the device queue, will be) written.
         for req in batch.reqs:
             req.cached_len = req.device_len
@@ -177,31 +265,101 @@ class Scheduler:
         self._inflight = None
         return self._process(batch, pending)
 
-    def _schedule_prefill(self) -> Batch | None:
+    # ------------------------------------------------------------------ policy
+    def _schedule(self, events: list[TokenEvent]) -> Batch | None:
+        """This step's batch; the events of a batch in flight that had to be read first are added to ``events``."""
+        if not self.config.mixed_prefill:
+            prefill = self._schedule_prefill(admit=True)
+            if prefill:
+                return Batch(prefill, "prefill", sample_mask=[r.device_len == r.fill_len for r in prefill])
+            decodes, _ = self._schedule_decodes(events)
+            return Batch(decodes, "decode", sample_mask=[True] * len(decodes)) if decodes else None
+        decodes, preempted = self._schedule_decodes(events)
+        # No admission in a step that preempted: the pages it freed are for the running requests' growth.
+        prefill = self._schedule_prefill(admit=not preempted)
+        if prefill:
+            reqs = decodes + prefill
+            mask = [True] * len(decodes) + [r.device_len == r.fill_len for r in prefill]
+            return Batch(reqs, "prefill", sample_mask=mask)
+        return Batch(decodes, "decode", sample_mask=[True] * len(decodes)) if decodes else None
+
+    def _decodable(self) -> list[Req]:
+        # Tokens sampled so far, the one of a batch in flight included, are cached_len - prompt_len + 1;
+        # a request at its max_new_tokens is done even if the host has not seen its last token yet.
+        return [r for r in self.running if r.is_decoding and r.cached_len - r.prompt_len + 1 < r.max_new_tokens]
+
+    def _schedule_decodes(self, events: list[TokenEvent]) -> tuple[list[Req], bool]:
+        """The requests that decode this step, their next slots allocated, preempting the newest running requests
+        while the spare pages cannot hold that growth; and whether any was preempted."""
+        decodes = self._decodable()
+        preempted = 0
+        while decodes and sum(self.kv.growth_pages(r, r.cached_len + 1) for r in decodes) > self.kv.spare_pages:
+            if self._inflight is not None:  # its tokens first: a preempted request keeps all it sampled
+                events.extend(self._drain())
+                decodes = self._decodable()
+                continue
+            victim = next(r for r in reversed(self._by_rid.values()) if r.status is ReqStatus.RUNNING)
+            self._preempt(victim)
+            preempted += 1
+            if victim in decodes:
+                decodes.remove(victim)
+        if preempted and self._clock is not None:
+            self._clock.events.append(f"preempt:{preempted}")
+        for r in decodes:
+            r.device_len = r.cached_len + 1
+            self.kv.allocate(r, r.device_len)
+        return decodes, preempted > 0
+
+    def _preempt(self, req: Req) -> None:
+        """Retract running ``req``: its pages go back (its computed prefix to the prefix cache); it keeps its
+        output and waits at the front of the queue, to compute its prompt and output again when re-admitted."""
+        self.running.remove(req)
+        self.stats["recomputed_tokens"] += req.cached_len
+        self.kv.release(req)
+        req.fill_len = req.total_len
+        req.cached_len = req.device_len = 0
+        req.preemptions += 1
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+
+    def _reserve_len(self, req: Req) -> int:
+        """Positions ``req`` reserves pages for at admission: its prefill and the estimate of its growth."""
+        return req.fill_len + min(self.config.admit_reserve_tokens, req.max_new_tokens - len(req.output_ids))
+
+    def _schedule_prefill(self, *, admit: bool) -> list[Req]:
+        """Requests computing prefill tokens this step (``device_len`` set), up to ``chunked_prefill_size`` of
+        them; ``admit``: new requests may join."""
         budget = self.config.chunked_prefill_size
         reqs: list[Req] = []
-        # A request whose prompt was chunked continues first.
+        # A request whose prefill was chunked continues first.
         for req in self.running:
             if budget <= 0:
                 break
-            if req.cached_len < req.prompt_len:
-                req.device_len = req.cached_len + min(req.prompt_len - req.cached_len, budget)
+            if req.cached_len < req.fill_len:
+                req.device_len = req.cached_len + min(req.fill_len - req.cached_len, budget)
                 budget -= req.extend_len
                 reqs.append(req)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if (reqs and self._waits_for_batch_prefix(req, reqs)) or not self.kv.try_admit(req):
+            if reqs and self._waits_for_batch_prefix(req, reqs):
+                break
+            prefix_len = req.prefix_len
+            if not self.kv.try_admit(req, self._reserve_len(req)):
+                if self._clock is not None:
+                    self._clock.events.append("admit_blocked")
                 break
             self.waiting.popleft()
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            self.stats["cached_prompt_tokens"] += req.prefix_len
-            req.device_len = req.cached_len + min(req.prompt_len - req.cached_len, budget)
+            if req.preemptions:
+                req.prefix_len = prefix_len  # what the client is told was cached: the first admission's
+            else:
+                self.stats["cached_prompt_tokens"] += req.prefix_len
+            req.device_len = req.cached_len + min(req.fill_len - req.cached_len, budget)
             budget -= req.extend_len
             reqs.append(req)
-        if not reqs:
-            return None
-        return Batch(reqs, "prefill", sample_mask=[r.device_len == r.prompt_len for r in reqs])
+        return reqs
 
     def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
         """Whether ``req`` waits (and so the queue behind it) for a longer prefix of its prompt that ``batch``
@@ -215,22 +373,13 @@ class Scheduler:
         shared -= shared % self.kv.page_size
         return shared > 0 and shared > self.kv.cached_prefix_len(req.input_ids[:limit])
 
-    def _schedule_decode(self) -> Batch | None:
-        # Tokens sampled so far, the one of a batch in flight included, are cached_len - prompt_len + 1;
-        # a request at its max_new_tokens is done even if the host has not seen its last token yet.
-        reqs = [
-            r
-            for r in self.running
-            if r.cached_len >= r.prompt_len and r.cached_len - r.prompt_len + 1 < r.max_new_tokens
-        ]
-        if not reqs:
-            return None
-        for r in reqs:
-            r.device_len = r.cached_len + 1
-        return Batch(reqs, "decode", sample_mask=[True] * len(reqs))
-
     def _process(self, batch: Batch, pending: PendingStep) -> list[TokenEvent]:
-        result = pending.result()
+        if self._clock is not None:
+            t0 = time.perf_counter()
+            result = pending.result()
+            self._clock.waited += time.perf_counter() - t0
+        else:
+            result = pending.result()
         events: list[TokenEvent] = []
         it = iter(zip(result.tokens, result.logprobs, strict=False))
         for req, samples in zip(batch.reqs, batch.sample_mask, strict=False):

@@ -33,7 +33,15 @@ class ServerMetrics:
             "kv_pages_used": Gauge("minisgl_kv_pages_used", "KV cache pages owned by live requests", registry=r),
             "kv_pages_cached": Gauge("minisgl_kv_pages_cached", "KV cache pages held by the prefix cache", registry=r),
             "kv_pages_total": Gauge("minisgl_kv_pages_total", "Usable KV cache pages", registry=r),
+            "kv_pages_free": Gauge("minisgl_kv_pages_free", "KV cache pages on the free list", registry=r),
+            "kv_pages_reserved": Gauge(
+                "minisgl_kv_pages_reserved", "Free KV cache pages reserved for admitted requests' growth", registry=r
+            ),
         }
+        self.preemptions = Counter(
+            "minisgl_preemptions", "Running requests retracted for lack of KV pages (recomputed later)", registry=r
+        )
+        self._preemptions_seen = 0
         self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter(
@@ -54,6 +62,10 @@ class ServerMetrics:
         for key, gauge in self.gauges.items():
             if key in state:
                 gauge.set(state[key])
+        seen = state.get("preemptions")
+        if isinstance(seen, int) and seen > self._preemptions_seen:  # the scheduler's running total
+            self.preemptions.inc(seen - self._preemptions_seen)
+            self._preemptions_seen = seen
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

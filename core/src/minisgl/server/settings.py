@@ -122,7 +122,9 @@ def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argpa
         if kind is bool:
             group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else name.split("_")[-1].upper()
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            named = str(extra.get("metavar") or name.split("_")[-1].upper())
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else named
             group.add_argument(*flags, dest=name, type=kind, choices=choices, metavar=metavar, help=help_text)
     return parser
 

@@ -241,6 +241,9 @@ class _Progress:
             "kv_pages_used": int(kv.used_pages) - cached,
             "kv_pages_cached": cached,
             "kv_pages_total": int(kv.usable_pages),
+            "kv_pages_free": int(kv.free_pages),
+            "kv_pages_reserved": int(kv.reserved_pages),
+            "preemptions": int(self.sched.stats["preemptions"]),
         }
         if became_idle:
             self.beat_now()
@@ -283,6 +286,7 @@ def scheduler_main(launch: bytes) -> None:
         try:
             _serve(sched, ranks, inbox, outbox, stopping, progress)
         finally:
+            sched.close()  # the step trace's last lines
             if ranks is not None:
                 ranks.shutdown(sched, timeout=10.0)
 
