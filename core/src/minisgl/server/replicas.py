@@ -41,7 +41,9 @@ HEALTH_FLAGS = (
     "--health-success-threshold", "1",
     "--health-check-timeout-secs", "3",
 )  # fmt: skip
-HEALTH_LOG = b'"GET /health HTTP/1.1" 200'
+# Replica log lines left out: the router's health probe each second, and its HTTP/2 probe (is it a gRPC
+# worker?) at registration, which uvicorn reports as an invalid request.
+QUIET = (b'"GET /health HTTP/1.1" 200', b"Invalid HTTP request received.")
 MAX_BACKOFF = 30.0
 
 
@@ -134,8 +136,8 @@ def answers(url: str, timeout: float = 2.0) -> bool:
 def _relay(stream: IO[bytes], prefix: str) -> None:
     """Copy a child's output to ours, each line prefixed with its name."""
     for line in iter(stream.readline, b""):
-        if HEALTH_LOG in line:
-            continue  # the router's probe, each second
+        if any(quiet in line for quiet in QUIET):
+            continue
         sys.stderr.write(f"[{prefix}] {line.decode(errors='replace')}")
         sys.stderr.flush()
     stream.close()
