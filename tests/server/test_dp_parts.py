@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from fastapi.testclient import TestClient
 from minisgl.message import GenerateReq
 from minisgl.server.app import create_app
 from minisgl.server.launcher import Health
-from minisgl.server.replicas import ROUTER_MISSING, ReplicaError, check_dp_settings, plan_replicas
+from minisgl.server.replicas import ROUTER_MISSING, ReplicaError, ReplicaSet, check_dp_settings, plan_replicas
 from minisgl.server.router_api import ROUTER_NO_OPS, drop_router_no_ops
 from minisgl.server.settings import ServeSettings
 from minisgl.server.text_tools import TextTools
@@ -141,3 +142,26 @@ def test_server_and_model_info(api: tuple[TestClient, list[GenerateReq]]) -> Non
         "served_model_name": "tiny", "is_generation": True, "max_model_len": 64, "vocab_size": 100,
         "architecture": "LlamaForCausalLM",
     }  # fmt: skip
+
+
+def test_replica_and_router_command_lines() -> None:
+    settings = ServeSettings(
+        model="m", dp=2, device="cpu", api_key="k", port=30123, router_policy="round_robin",
+        router_metrics_port=30124, router_args="--cache-threshold 0.5",
+    )  # fmt: skip
+    replicas = ReplicaSet(settings, ["--model", "m", "--dp", "2", "--api-key", "k"])
+    urls = replicas.worker_urls()
+    assert len(urls) == 2 and all(url.startswith("http://127.0.0.1:") for url in urls)
+    for replica, url in zip(replicas.replicas, urls, strict=True):
+        # The user's flags, then the replica's own: one engine, on loopback (the last of a repeated flag wins).
+        serve = replica.command.index("serve")
+        assert replica.command[serve + 1 : serve + 7] == ["--model", "m", "--dp", "2", "--api-key", "k"]
+        assert replica.command[serve + 7 :] == ["--dp", "1", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
+        assert replica.env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # CPU: as given
+    router = replicas.router.command
+    assert router[router.index("--worker-urls") + 1 : router.index("--host")] == urls
+    joined = " ".join(router)
+    assert "--host 127.0.0.1 --port 30123 --policy round_robin" in joined
+    assert "--prometheus-port 30124" in joined and "--api-key k" in joined
+    assert router[-2:] == ["--cache-threshold", "0.5"]
+    assert replicas.router.url == "http://127.0.0.1:30123/readiness"

@@ -150,7 +150,7 @@ class Child:
     name: str
     command: list[str]
     env: dict[str, str]
-    url: str  # where it answers /health
+    url: str  # what answers 200 once it is ready
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     restart_at: float | None = None
@@ -202,7 +202,8 @@ class ReplicaSet:
         self.waves = [[p.index for p in self.plans if p.wave == w] for w in range(waves)]
         self.replicas = [self._replica(plan, argv) for plan in self.plans]
         self.metrics_port = settings.router_metrics_port or free_port(LOOPBACK if settings.host == LOOPBACK else "")
-        self.router = Child("router", self.router_command(), dict(os.environ), self.router_url("/health"))
+        # Ready once it has registered a replica (/health answers as soon as it listens).
+        self.router = Child("router", self.router_command(), dict(os.environ), self.router_url("/readiness"))
 
     def _replica(self, plan: ReplicaPlan, argv: list[str]) -> Child:
         port = free_port()
