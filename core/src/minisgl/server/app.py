@@ -24,6 +24,7 @@ from ..utils import VERSION
 from ..utils.heap import loading_quietly
 from .client import EngineClient, ServerGone, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .router_api import RouterFields, add_router_routes
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
 from .settings import ServeSettings
 from .text_tools import TextTools, load_model_tokenizer
@@ -268,6 +269,7 @@ def create_app(
     app.state.server = None
     app.state.draining = False
     app.state.client = client
+    app.add_middleware(RouterFields)  # added first, so it runs inside the guard, on a body within the limit
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_bytes=settings.max_request_bytes)
 
     for kind in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
@@ -352,6 +354,8 @@ def create_app(
         "max_model_len": info.get("max_model_len"),
         "minisgl": {key: info.get(key) for key in _ENGINE_KEYS},
     }
+
+    add_router_routes(app, model_name, info)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

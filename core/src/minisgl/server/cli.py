@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..scheduler.tp import run_follower_node
 
         return run_follower_node(EngineConfig(**settings.engine_fields(), plugins=tuple(plugins)))
+    if settings.dp > 1:
+        from .replicas import serve_replicas
+
+        return serve_replicas(settings, args)
     if settings.shell:
         from .chat import run_chat
 

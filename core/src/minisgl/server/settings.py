@@ -56,6 +56,22 @@ class ServeSettings(EngineFields, BaseSettings):
     shutdown_timeout: float = Field(
         5.0, ge=0, description="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended"
     )
+    # data parallelism (minisgl.server.replicas)
+    dp: int = Field(
+        1, ge=1, le=64, description="engine replicas behind one router (sglang-router), each with --tp devices"
+    )
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = Field(
+        "cache_aware", description="how the --dp router picks a replica; cache_aware = the one holding the prefix"
+    )
+    router_metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="port of the --dp router's Prometheus metrics (on --host); default: a free one",
+    )
+    router_args: str | None = Field(
+        None, description="more sglang-router flags for the --dp router, as one string (e.g. '--cache-threshold 0.5')"
+    )
     # request limits (checked by minisgl.server.app)
     max_request_bytes: int = Field(
         2 * 2**20, ge=1024, description="largest request body in bytes; a larger one is refused (413) unread"
