@@ -85,13 +85,8 @@ class FlashAttnBackend(BaseAttnBackend):
     def __init__(
         self, ctx: AttentionContext, *, generation: int | None = None, kernels: FlashAttnKernels | None = None
     ):
-        if ctx.kv_pool.layout.dtype != ctx.dtype:
-            raise ValueError(
-                FP8_KV_REFUSAL
-                if ctx.kv_pool.layout.quantized
-                else "fa attention backend: the KV pool "
-                f"stores {ctx.kv_pool.layout.dtype}, the model computes {ctx.dtype}; expected the same"
-            )
+        if ctx.kv_pool.layout.quantized:
+            raise ValueError(FP8_KV_REFUSAL)
         if kernels is None:
             kernels = build_kernels(ctx, generation)
         problem = kernels.problem(ctx.head_dim, ctx.dtype, ctx.page_size)
