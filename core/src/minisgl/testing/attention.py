@@ -87,8 +87,10 @@ ATTN_CASES = tuple(AttnCase(ps, g, d) for ps in (1, 16) for g in (1, 2, 4) for d
 #: backend that ignores them fails.
 KV_TEST_SCALES = ((0.5, 2.0), (2.0, 0.25))
 #: ``(atol, rtol)`` within which attention over an FP8 (e4m3) cache of N(0, 1) keys and values agrees
-#: with attention over the unquantized cache (e4m3 keeps 3 mantissa bits: up to 6% per value).
-QUANTIZED_KV_TOLERANCE = (0.12, 0.1)
+#: with attention over the unquantized cache (e4m3 keeps 3 mantissa bits: up to 6% per value). This bounds
+#: what quantizing costs, not a backend: the backend is held to the reference over the same quantized cache.
+#: The largest error seen is 0.164 (an H200, the kit's cases: key errors sharpened by the softmax), so 0.2.
+QUANTIZED_KV_TOLERANCE = (0.2, 0.1)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
