@@ -63,9 +63,9 @@ def test_every_openai_field_is_declared() -> None:
     [
         {"response_format": {"type": "text"}},
         {"tools": []},
-        {"tool_choice": "none"},
-        {"tool_choice": "auto"},
-        {"parallel_tool_calls": True},
+        {"tools": [TOOL], "tool_choice": "none"},
+        {"tools": [TOOL], "tool_choice": "auto"},
+        {"tools": [TOOL], "parallel_tool_calls": True},
         {"functions": []},
         {"function_call": "none"},
         {"logit_bias": {}},
@@ -87,7 +87,11 @@ def test_no_op_values_are_accepted(fields: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("fields", "field", "says"),
     [
-        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        # As at OpenAI: tool_choice and parallel_tool_calls only with tools, even when they ask for nothing.
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
+        ({"tool_choice": "none"}, "tool_choice", "only allowed when tools are given"),
+        ({"tools": [], "tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when tools are given"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not among the tools"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", '"required"'),
         ({"tools": [TOOL], "tool_choice": {"name": "get_weather"}}, "tool_choice", '{"type": "function"'),
