@@ -287,3 +287,26 @@ def test_tokenize_bodies() -> None:
         DetokenizeRequest.model_validate({"tokens": [1, -2]})
     with pytest.raises(PydanticError):
         DetokenizeRequest.model_validate({"tokens": ["1"]})
+
+
+def test_the_body_walker_bounds_depth_and_finds_surrogates_anywhere() -> None:
+    from minisgl.server.validate import MAX_JSON_DEPTH, json_problem
+
+    deep: Any = "leaf"
+    for _ in range(100_000):  # far deeper than recursion could walk
+        deep = {"k": [deep]}
+    where, why = json_problem(deep) or ("", "")
+    assert where == ".".join(["k[0]"] * (MAX_JSON_DEPTH // 2))  # the first value past the bound
+    assert why.startswith(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    flat: Any = 0
+    for _ in range(MAX_JSON_DEPTH - 1):
+        flat = [flat]
+    assert json_problem({"a": flat}) is None and json_problem({"a": [flat]}) is not None
+    assert json_problem({"a": [{"b": "ok", "c": "x\udc00"}]}) == (
+        "a[0].c",
+        "the string holds an unpaired surrogate (U+DC00) at character 1; text must be valid Unicode (a character "
+        "outside the Basic Multilingual Plane is sent as a surrogate pair or as UTF-8)",
+    )
+    key_problem = json_problem({"a": {"\ud800": 1}})
+    assert key_problem is not None and key_problem[0] == "a" and key_problem[1].startswith("an object key")
+    assert json_problem({"a": ["\U0001f600", {"b": None, "c": 1.5}]}) is None
