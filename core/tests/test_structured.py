@@ -3,6 +3,7 @@ plain-PyTorch mask. The xgrammar backend's own tests are in plugins/minisgl-plug
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Req
+from minisgl.core import LOGPROB_FLOOR, Req
 from minisgl.engine.grammar import BaseGrammarBackend, TokenMask, make_grammar_backend
 from minisgl.engine.sampling import Sampler
 from minisgl.plugins import (
@@ -134,3 +135,21 @@ def test_the_mask_holds_on_transposed_logits() -> None:
     tokens = Sampler(torch.device("cpu")).sample(logits, reqs, TokenMask(bitmask, [0, 2, 4])).tokens.tolist()
     assert tokens[0::2] == [7, 7, 7]
     assert tokens[1::2] == free[1::2]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_under_a_mask_list_only_allowed_tokens(temperature: float) -> None:
+    """Masked-out tokens (-inf) are never alternatives, and every logprob is a finite number (valid JSON)."""
+    vocab = 64
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 3) | (1 << 9)  # row 0: tokens 3 and 9 only
+    bitmask[1, 0] = 0  # row 1: nothing allowed (a grammar at a dead end)
+    params = SamplingParams(temperature=temperature, seed=1, logprobs=5)
+    reqs = [Req(rid=i, input_ids=[1], params=params, max_new_tokens=1) for i in range(3)]
+    result = Sampler(torch.device("cpu")).sample(torch.randn(3, vocab), reqs, TokenMask(bitmask, [0, 1]))
+    first, dead, free = result.logprobs
+    assert first is not None and dead is not None and free is not None
+    assert first.token_id in (3, 9) and sorted(t for t, _ in first.top) == [3, 9]
+    assert all(math.isfinite(v) for _, v in first.top) and math.isfinite(first.logprob)
+    assert dead.top == [] and dead.logprob == LOGPROB_FLOOR
+    assert len(free.top) == 5 and all(math.isfinite(v) for _, v in free.top)

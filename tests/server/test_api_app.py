@@ -17,11 +17,14 @@ from fastapi.testclient import TestClient
 from serverutil import TOOL
 from transformers import AutoTokenizer
 
-from minisgl.message import GenerateReq
+from minisgl.core import LOGPROB_FLOOR
+from minisgl.message import GenerateReq, TokenizerLimits
 from minisgl.server.app import create_app
 from minisgl.server.launcher import Health
 from minisgl.server.settings import ServeSettings
 from minisgl.server.text_tools import TextTools
+from minisgl.server.validate import MAX_JSON_DEPTH
+from minisgl.tokenizer.worker import TokenizerService
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -30,6 +33,7 @@ VOCAB = 49152
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 REPLY: list[str] = []  # what the fake engine answers, piece by piece (empty: "Paris.")
 FAIL: list[str] = []  # (field, message): the fake engine refuses the request
+LOGPROBS: list[Any] = []  # the logprob entries the fake engine sends with its first piece
 tasks: set[Any] = set()
 
 
@@ -64,7 +68,7 @@ def api(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
             sink.on_failed(*FAIL)
             return
         pieces = REPLY or ["Paris."]
-        sink.on_output(pieces[0], 1, None, ["stop", 7, 0] if len(pieces) == 1 else None)
+        sink.on_output(pieces[0], 1, list(LOGPROBS) or None, ["stop", 7, 0] if len(pieces) == 1 else None)
 
         async def rest() -> None:  # the other pieces arrive later, each on its own
             for i, piece in enumerate(pieces[1:], 2):
@@ -92,6 +96,7 @@ def test_no_op_values_reach_the_engine(api: tuple[TestClient, list[GenerateReq]]
     body = {
         "messages": MESSAGES,
         "response_format": {"type": "text"},
+        "tools": [TOOL],
         "tool_choice": "none",
         "logit_bias": {},
         "user": "me",
@@ -115,7 +120,7 @@ def test_no_op_values_reach_the_engine(api: tuple[TestClient, list[GenerateReq]]
             "tools[0].function.name",
             "required",
         ),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "send them as tools"),
         ("/v1/chat/completions", {"logit_bias": {str(VOCAB): 10}}, "logit_bias", f"token id {VOCAB} is outside"),
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
@@ -402,3 +407,234 @@ def test_default_tokenizer_is_the_models(tiny_model: Path, tokenizer: Any, tmp_p
     with TestClient(app) as client:
         out = client.post("/tokenize", json={"model": tiny_model.name, "prompt": "Hello world"}).json()
         assert out == {"count": 2, "max_model_len": 256, "tokens": tokenizer.encode("Hello world")}
+
+
+# ------------------------------------------------------------------ every value checked, at any depth
+def nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def with_call(call_id: str = "call_1", arguments: str = '{"city": "Paris"}') -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [*MESSAGES, {"role": "assistant", "tool_calls": [call]}]
+
+
+def raw_post(client: TestClient, path: str, body: str, content_type: str | None = "application/json") -> Any:
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    return client.post(path, content=body.encode(), headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        # A lone surrogate anywhere: the escape stays in the JSON text until the body is decoded.
+        ('{"messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "\\ud800"}}', "metadata.k", "unpaired"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "metadata": {"\\ud800": "v"}}', "metadata", "object key"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "n\\udc00", "schema": {"type": "object"}}}}',
+            "response_format.json_schema.name",
+            "unpaired surrogate (U+DC00)",
+        ),
+        (
+            json.dumps({"messages": with_call(call_id="X")}).replace('"X"', '"\\ud800"'),
+            "messages[1].tool_calls[0].id",
+            "unpaired",
+        ),
+        (
+            json.dumps({"messages": MESSAGES, "tools": [TOOL]}).replace('"city"', '"\\ud800"', 1),
+            "tools[0].function.parameters.properties",
+            "object key",
+        ),
+        (
+            # Escaped inside the arguments' JSON text: a lone surrogate only once the arguments are decoded.
+            json.dumps({"messages": with_call(arguments='{"city": "\\ud800"}')}),
+            "messages[1].tool_calls[0]",
+            "function.arguments.city (decoded): the string holds an unpaired surrogate",
+        ),
+        (
+            json.dumps({"messages": with_call(arguments='{"a": ' + "[" * 5000 + "]" * 5000 + "}")}),
+            "messages[1].tool_calls[0]",
+            f"nested deeper than {MAX_JSON_DEPTH} levels",
+        ),
+        (
+            json.dumps({"messages": with_call(arguments=json.dumps({"a": nested(MAX_JSON_DEPTH)}))}),
+            "messages[1].tool_calls[0]",
+            "function.arguments.a" + "[0]" * (MAX_JSON_DEPTH - 1) + " (decoded): nested deeper",
+        ),
+        (
+            json.dumps({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "n", "schema": {"type": "object", "default": nested(100)}}}}),
+            "response_format.json_schema.schema.default" + "[0]" * (MAX_JSON_DEPTH - 4),
+            f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays; flatten it",
+        ),
+    ],
+)  # fmt: skip
+def test_every_value_is_checked_at_any_depth(
+    api: tuple[TestClient, list[GenerateReq]], body: str, param: str, says: str
+) -> None:
+    client, submitted = api
+    before = len(submitted)
+    message = error_of(raw_post(client, "/v1/chat/completions", body), 400, param)
+    assert message.startswith(f"{param}: ") and says in message, message
+    assert len(submitted) == before
+
+
+def test_nesting_up_to_the_bound_is_fine(api: tuple[TestClient, list[GenerateReq]]) -> None:
+    client, submitted = api
+    arguments = json.dumps({"a": nested(MAX_JSON_DEPTH - 2)})
+    resp = client.post("/v1/chat/completions", json={"messages": with_call(arguments=arguments)})
+    assert resp.status_code == 200, resp.text
+    assert submitted[-1].messages is not None and submitted[-1].messages[1]["tool_calls"][0]["function"]["arguments"]
+
+
+def test_a_body_too_deep_to_decode_is_400(api: tuple[TestClient, list[GenerateReq]]) -> None:
+    client, _ = api
+    resp = raw_post(client, "/v1/completions", '{"prompt": "x", "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra", "param", "says"),
+    [
+        (
+            [{"role": "tool", "content": "22 C"}],
+            {},
+            "messages[0].tool_call_id",
+            "a tool message needs the tool_call_id",
+        ),
+        (
+            [{"role": "user", "content": "hi", "tool_call_id": "c"}],
+            {},
+            "messages[0].tool_call_id",
+            "only tool messages",
+        ),
+        (MESSAGES, {"parallel_tool_calls": True}, "parallel_tool_calls", "only allowed when tools are given"),
+        (MESSAGES, {"tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
+        (
+            MESSAGES,
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools[0].function.parameters",
+            'the parameters are a JSON schema of "type": "object", got type \'string\'',
+        ),
+        (
+            MESSAGES,
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}]},
+            "tools[0].function.parameters",
+            "got no type",
+        ),
+    ],
+)
+def test_refused_as_openai_refuses(
+    api: tuple[TestClient, list[GenerateReq]], messages: list[Any], extra: dict[str, Any], param: str, says: str
+) -> None:
+    client, submitted = api
+    before = len(submitted)
+    message = error_of(client.post("/v1/chat/completions", json={"messages": messages, **extra}), 400, param)
+    assert says in message, message
+    assert len(submitted) == before
+
+
+def test_empty_parameters_take_no_arguments(api: tuple[TestClient, list[GenerateReq]]) -> None:
+    client, _ = api
+    tool = {"type": "function", "function": {"name": "now", "parameters": {}}}
+    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [tool]}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
+def test_a_body_that_is_not_json_is_415_naming_its_type(
+    api: tuple[TestClient, list[GenerateReq]], content_type: str | None
+) -> None:
+    client, submitted = api
+    before = len(submitted)
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+        resp = raw_post(client, path, json.dumps({"messages": MESSAGES, "prompt": "x"}), content_type)
+        assert resp.status_code == 415, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "unsupported_media_type" and err["param"] is None
+        named = f"Content-Type {content_type!r}" if content_type else "without a Content-Type"
+        assert named in err["message"] and "send 'Content-Type: application/json'" in err["message"]
+    assert len(submitted) == before
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "application/vnd.x+json"]
+)
+def test_json_content_types_are_read(api: tuple[TestClient, list[GenerateReq]], content_type: str) -> None:
+    client, _ = api
+    resp = raw_post(client, "/v1/completions", json.dumps({"prompt": "x"}), content_type)
+    assert resp.status_code == 200, resp.text
+
+
+# ------------------------------------------------------------------ logprobs are JSON numbers
+@pytest.fixture
+def logprobs() -> Iterator[list[Any]]:
+    yield LOGPROBS
+    LOGPROBS.clear()
+
+
+def strict_json(text: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_without_a_probability_are_never_sent_as_infinity(
+    api: tuple[TestClient, list[GenerateReq]], logprobs: list[Any]
+) -> None:
+    """A grammar's forbidden tokens (-inf) are no alternatives; a token with no probability gets the floor."""
+    client, _ = api
+    logprobs[:] = [["Paris.", float("nan"), [["Paris.", -0.5], ["x", float("-inf")]]]]
+    bodies = [
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2, "regex": "P.*"}),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2, "regex": "P.*"}),
+    ]
+    for path, body in bodies:
+        for stream in (False, True):
+            resp = client.post(path, json={**body, "stream": stream})
+            assert resp.status_code == 200, resp.text
+            if stream:
+                events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+                found = [strict_json(e)["choices"][0]["logprobs"] for e in events[:-1]]
+                lp = next(x for x in found if x)
+            else:
+                lp = strict_json(resp.text)["choices"][0]["logprobs"]
+            if "chat" in path:
+                entry = lp["content"][0]
+                assert entry["logprob"] == LOGPROB_FLOOR
+                assert [(a["token"], a["logprob"]) for a in entry["top_logprobs"]] == [("Paris.", -0.5)]
+            else:
+                assert lp["token_logprobs"] == [LOGPROB_FLOOR] and lp["top_logprobs"] == [{"Paris.": -0.5}]
+
+
+# ------------------------------------------------------------------ cheap checks before the template
+def test_a_conversation_too_long_is_refused_before_it_is_rendered(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = TokenizerService(tokenizer, TokenizerLimits(MAX_LEN, VOCAB))
+    rendered: list[int] = []
+    template = tokenizer.apply_chat_template
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        rendered.append(1)
+        return template(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counting)
+    long_text = "word " * (MAX_LEN * service.max_token_chars)
+    many = [{"role": "user", "content": ""}] * MAX_LEN
+    for messages, says in (
+        ([{"role": "user", "content": long_text}], "the prompt has at least"),
+        (many, f"the conversation has {MAX_LEN} messages, each at least one token"),
+    ):
+        req = GenerateReq(1, {"max_tokens": 1}, messages=messages)
+        failed = service.tokenize(req)
+        assert getattr(failed, "message", "").startswith(says), failed
+    assert rendered == []
+    ok = service.tokenize(GenerateReq(2, {"max_tokens": 1}, messages=MESSAGES))
+    assert getattr(ok, "input_ids", None) and rendered == [1]

@@ -63,9 +63,9 @@ def test_every_openai_field_is_declared() -> None:
     [
         {"response_format": {"type": "text"}},
         {"tools": []},
-        {"tool_choice": "none"},
-        {"tool_choice": "auto"},
-        {"parallel_tool_calls": True},
+        {"tools": [TOOL], "tool_choice": "none"},
+        {"tools": [TOOL], "tool_choice": "auto"},
+        {"tools": [TOOL], "parallel_tool_calls": True},
         {"functions": []},
         {"function_call": "none"},
         {"logit_bias": {}},
@@ -87,7 +87,11 @@ def test_no_op_values_are_accepted(fields: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("fields", "field", "says"),
     [
-        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        # As at OpenAI: tool_choice and parallel_tool_calls only with tools, even when they ask for nothing.
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
+        ({"tool_choice": "none"}, "tool_choice", "only allowed when tools are given"),
+        ({"tools": [], "tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when tools are given"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not among the tools"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", '"required"'),
         ({"tools": [TOOL], "tool_choice": {"name": "get_weather"}}, "tool_choice", '{"type": "function"'),
@@ -283,3 +287,26 @@ def test_tokenize_bodies() -> None:
         DetokenizeRequest.model_validate({"tokens": [1, -2]})
     with pytest.raises(PydanticError):
         DetokenizeRequest.model_validate({"tokens": ["1"]})
+
+
+def test_the_body_walker_bounds_depth_and_finds_surrogates_anywhere() -> None:
+    from minisgl.server.validate import MAX_JSON_DEPTH, json_problem
+
+    deep: Any = "leaf"
+    for _ in range(100_000):  # far deeper than recursion could walk
+        deep = {"k": [deep]}
+    where, why = json_problem(deep) or ("", "")
+    assert where == ".".join(["k[0]"] * (MAX_JSON_DEPTH // 2))  # the first value past the bound
+    assert why.startswith(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    flat: Any = 0
+    for _ in range(MAX_JSON_DEPTH - 1):
+        flat = [flat]
+    assert json_problem({"a": flat}) is None and json_problem({"a": [flat]}) is not None
+    assert json_problem({"a": [{"b": "ok", "c": "x\udc00"}]}) == (
+        "a[0].c",
+        "the string holds an unpaired surrogate (U+DC00) at character 1; text must be valid Unicode (a character "
+        "outside the Basic Multilingual Plane is sent as a surrogate pair or as UTF-8)",
+    )
+    key_problem = json_problem({"a": {"\ud800": 1}})
+    assert key_problem is not None and key_problem[0] == "a" and key_problem[1].startswith("an object key")
+    assert json_problem({"a": ["\U0001f600", {"b": None, "c": 1.5}]}) is None

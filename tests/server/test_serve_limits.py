@@ -86,15 +86,19 @@ def raw_exchange(server: Server, head: str, parts: list[bytes], timeout: float =
 # ------------------------------------------------------------------ lone surrogates
 SURROGATE_CASES = [
     (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
-    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', "messages[0].content"),
+    (
+        CHAT,
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+        "messages[0].content[0].text",
+    ),
     (CHAT, '{"messages": [{"role": "user", "content": "hi", "name": "a\\ud800"}]}', "messages[0].name"),
     (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": "x\\ud800"}', "stop"),
-    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\\ud800"]}', "stop"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\\ud800"]}', "stop[1]"),
     (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', "model"),
     (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "user": "\\udc00"}', "user"),
     (COMPLETIONS, '{"prompt": "a\\ud800b"}', "prompt"),
-    (COMPLETIONS, '{"prompt": ["fine", "a\\ud800b"]}', "prompt"),
-    (COMPLETIONS, '{"prompt": "a", "stop": ["\\ud800"]}', "stop"),
+    (COMPLETIONS, '{"prompt": ["fine", "a\\ud800b"]}', "prompt[1]"),
+    (COMPLETIONS, '{"prompt": "a", "stop": ["\\ud800"]}', "stop[0]"),
 ]
 
 

@@ -225,3 +225,56 @@ def test_regex_and_logit_bias(client: Any) -> None:
     bad = pytest.importorskip("openai").BadRequestError
     with pytest.raises(bad, match="logit_bias: token id 99999999 is outside the vocabulary"):
         client.chat.completions.create(**base, logit_bias={"99999999": 5})
+
+
+def _strict(text: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_a_constrained_reply_are_json_and_allowed_tokens_only(server: Server) -> None:
+    """A digit-only regex allows ten-odd tokens: asking for 20 alternatives lists only allowed ones, all finite."""
+    import httpx
+
+    bodies = [
+        ("/v1/completions", {"prompt": "The year:", "logprobs": 20}),
+        ("/v1/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 20}),
+    ]
+    for path, body in bodies:
+        for stream in (False, True):
+            full = {"model": MODEL, "max_tokens": 4, "temperature": 0, "regex": "[0-9]{4}", "stream": stream, **body}
+            resp = httpx.post(server.url + path, json=full, timeout=120)
+            assert resp.status_code == 200, resp.text
+            events = (
+                [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")][:-1]
+                if stream
+                else [resp.text]
+            )
+            alternatives: list[str] = []
+            for event in events:
+                for choice in _strict(event)["choices"]:
+                    lp = choice["logprobs"]
+                    if not lp:
+                        continue
+                    if "content" in lp:
+                        alternatives += [a["token"] for c in lp["content"] for a in c["top_logprobs"]]
+                    else:
+                        alternatives += [a for top in lp["top_logprobs"] for a in top]
+            # Digits, or the end-of-sequence token once four digits are written.
+            assert alternatives and all(a.isdigit() or a.startswith("<|") for a in alternatives), alternatives
+
+
+def test_an_unenforced_schema_keyword_is_400_naming_it(client: Any) -> None:
+    bad = pytest.importorskip("openai").BadRequestError
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    with pytest.raises(bad, match="response_format: the JSON-schema keyword 'uniqueItems'"):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, response_format=fmt)
+    remote = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"$ref": "https://example.com/s.json"}}}
+    with pytest.raises(bad, match="remote schemas are never fetched"):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, response_format=remote)

@@ -146,6 +146,9 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+LOGPROB_FLOOR = -9999.0  # the logprob reported for a token that has none (-inf, NaN), as OpenAI reports it
+
+
 @dataclass
 class TokenLogprob:
     """Log-probability of a chosen token and the top alternatives."""

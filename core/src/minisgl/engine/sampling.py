@@ -3,13 +3,14 @@ logprobs."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..core import Req, SamplingParams, TokenLogprob
+from ..core import LOGPROB_FLOOR, Req, SamplingParams, TokenLogprob
 from ..kernel import KernelSet, select_kernels
 
 if TYPE_CHECKING:
@@ -137,9 +138,16 @@ class Sampler:
         if all(w is None for w in want):
             return [None] * len(reqs)
         log_probs = torch.log_softmax(raw, dim=-1)
-        chosen = log_probs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+        # A chosen token is allowed, so its logprob is finite, unless the mask allowed nothing (a grammar at a
+        # dead end: every logit -inf, the softmax NaN); OpenAI's floor stands in for it then.
+        picked = log_probs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+        chosen = [lp if math.isfinite(lp) else LOGPROB_FLOOR for lp in picked]
         vals, ids = log_probs.topk(max(w for w in want if w is not None), dim=-1)
-        top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        # A token the mask forbids (-inf) is no alternative: a row with fewer allowed tokens lists fewer.
+        top = [
+            [(t, v) for t, v in zip(i, vs, strict=True) if math.isfinite(v)]
+            for i, vs in zip(ids.tolist(), vals.tolist(), strict=True)
+        ]
         return [
             None if w is None else TokenLogprob(token, lp, top[i][:w])
             for i, (w, token, lp) in enumerate(zip(want, tokens.tolist(), chosen, strict=True))

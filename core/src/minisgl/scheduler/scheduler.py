@@ -390,7 +390,7 @@ class Scheduler:
                 continue
             req.output_ids.append(token)
             if req.matcher is not None and not req.matcher.accept_token(token):
-                # Cannot happen with the mask applied; end the request rather than break the grammar.
+                # With the mask applied, only when the grammar allows no token at all (no string satisfies it).
                 logger.warning("request %s: the grammar rejected sampled token %d; finishing it", req.rid, token)
                 req.matcher = None
             if lp is not None:
@@ -403,10 +403,12 @@ class Scheduler:
         return events
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
+        if req.params.grammar is not None and req.matcher is None:
+            return "grammar_error"  # the grammar allowed no token here: the output does not match it
         if token in req.eos_token_ids or token in req.params.stop_ids:
             return "stop"
-        if req.params.grammar is not None and (req.matcher is None or req.matcher.is_terminated()):
-            return "stop"  # the grammar is complete (or was broken)
+        if req.matcher is not None and req.matcher.is_terminated():
+            return "stop"  # the grammar is complete
         stops = req.params.stop_strings
         if stops and self.detokenize is not None:
             tail = self.detokenize(req.output_ids[-(max(len(s) for s in stops) + 8) :])

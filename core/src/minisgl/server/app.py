@@ -29,6 +29,7 @@ from .serving import APIError, ClientGone, Generation, Job, ResponseShape, colle
 from .settings import ServeSettings
 from .text_tools import TextTools, load_model_tokenizer
 from .tools import ForcedStream, choose_parser, make_stream
+from .validate import BodyError
 
 if TYPE_CHECKING:
     from .launcher import Launcher
@@ -114,7 +115,7 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         error = exc
     elif isinstance(exc, RequestValidationError):
         error = _validation_error(exc)
-    elif isinstance(exc, ValidationError):
+    elif isinstance(exc, ValidationError | BodyError):
         error = APIError(400, f"{exc.field}: {exc.message}", param=exc.field)
     elif isinstance(exc, StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -129,8 +130,9 @@ class RequestGuard:
     """ASGI middleware that runs before any route parses a body. With ``--api-key`` the key is checked from the
     headers alone (401 before a byte of the body is read; /health and /metrics stay open, /docs does not); a body
     over ``--max-request-bytes`` is refused (413) as soon as its declared or counted size passes the limit, so one
-    big request costs neither memory nor event-loop time that other requests wait for. The HTTP server discards the
-    rest of a refused body as it arrives, so the client still gets to read the answer."""
+    big request costs neither memory nor event-loop time that other requests wait for; a body that is not JSON by
+    its Content-Type is refused (415) unread. The HTTP server discards the rest of a refused body as it arrives, so
+    the client still gets to read the answer."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int) -> None:
         self.app = app
@@ -157,6 +159,9 @@ class RequestGuard:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             problem = f"the request body is {int(declared):,} bytes, over {self.limit}"
             return await _error(APIError(413, problem, code="request_too_large"))(scope, receive, send)
+        unreadable = _content_type_problem(headers.get("content-type"))
+        if unreadable is not None and declared != "0":
+            return await _error(APIError(415, unreadable, code="unsupported_media_type"))(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -171,6 +176,25 @@ class RequestGuard:
                 return await _error(APIError(413, problem, code="request_too_large"))(scope, receive, send)
             more = message.get("more_body", False)
         await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+
+def _content_type_problem(content_type: str | None) -> str | None:
+    """Why a body of ``content_type`` is refused, or None: bodies are JSON, sent as ``application/json`` or
+    ``application/*+json`` (every OpenAI client says so; a body without a Content-Type is refused too)."""
+    if content_type is None:
+        return (
+            "the request body is sent without a Content-Type; this server reads JSON bodies only: send "
+            "'Content-Type: application/json'"
+        )
+    kind = content_type.partition(";")[0].strip().lower()
+    major, _, minor = kind.partition("/")
+    if major == "application" and (minor == "json" or minor.endswith("+json")):
+        return None
+    shown = content_type if len(content_type) <= 80 else content_type[:77] + "..."
+    return (
+        f"the request body is sent as Content-Type {shown!r}; this server reads JSON bodies only: send "
+        "'Content-Type: application/json'"
+    )
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -272,7 +296,7 @@ def create_app(
     app.add_middleware(RouterFields)  # added first, so it runs inside the guard, on a body within the limit
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_bytes=settings.max_request_bytes)
 
-    for kind in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
+    for kind in (APIError, RequestValidationError, ValidationError, BodyError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, _on_error)
 
     def check_model(name: str | None, what: str = "the model") -> None:

@@ -1,7 +1,8 @@
 """OpenAI request bodies, validated with pydantic (a bad value is a 400 naming its field); sampling parameters.
 
 Types are strict, as OpenAI's are (``"4"`` is not an integer; an integer is accepted for a float), and every
-string must be valid Unicode: JSON's ``\\ud800`` escape can smuggle in a lone surrogate no tokenizer handles.
+string, at any depth, must be valid Unicode (JSON's ``\\ud800`` escape can smuggle in a lone surrogate no
+tokenizer handles) and every value nested at most ``MAX_JSON_DEPTH`` deep: see :mod:`.validate`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core import SamplingParams, ValidationError
 from .tools import forced_schema, template_tool_calls
+from .validate import MAX_JSON_DEPTH, check_body, json_problem
 
 _INT32 = 2**31 - 1  # bounds keep every value msgpack- and tensor-friendly
 # OpenAI accepts at most 4 stop strings. Their length is bounded too: the detokenizer checks, for every new
@@ -24,46 +26,19 @@ MAX_STOP_CHARS = 128
 MAX_N = 128  # the most choices per prompt any server accepts (OpenAI's limit); --max-n sets this server's own
 
 
-def surrogate_problem(value: Any) -> str | None:
-    """Why ``value`` (a string, a model, a list of strings or models) is not valid Unicode, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return (
-                f"the string holds an unpaired surrogate (U+{ord(value[exc.start]):04X}) at character {exc.start}; "
-                "text must be valid Unicode (a character outside the Basic Multilingual Plane is sent as a "
-                "surrogate pair or as UTF-8)"
-            )
-        return None
-    if isinstance(value, BaseModel):
-        items = [(name, getattr(value, name)) for name in type(value).model_fields]
-    elif isinstance(value, list) and value and isinstance(value[0], str | BaseModel):  # lists of ids need no walk
-        items = [(f"item {i}", item) for i, item in enumerate(value)]
-    else:
-        return None
-    for where, item in items:
-        problem = surrogate_problem(item)
-        if problem is not None:
-            return f"{where}: {problem}"
-    return None
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
 
-class _Checked(_Body):
-    """A body whose every string must be valid Unicode. Content parts (nested in a union) are checked by the
-    field holding them: an error raised inside would be reported as the union's first alternative not matching."""
+class _Request(_Body):
+    """A whole request body: before any field is read, every value in it, at any depth, is checked for nesting
+    and valid Unicode (:func:`check_body`), so a problem deep in a schema or a tool call is a 400 naming it."""
 
-    @field_validator("*")
+    @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, v: Any) -> Any:
-        problem = surrogate_problem(v)
-        if problem is not None:
-            raise ValueError(problem)
-        return v
+    def _checked(cls, data: Any) -> Any:
+        check_body(data)
+        return data
 
 
 class StreamOptions(_Body):
@@ -89,7 +64,7 @@ MESSAGE_FIELDS = {
 }
 
 
-class ChatMessage(_Checked):
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -122,7 +97,13 @@ class ChatMessage(_Checked):
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValidationError(
+                f"{where}.tool_call_id", "a tool message needs the tool_call_id of the assistant's call it answers"
+            )
         if self.tool_call_id is not None:
+            if self.role != "tool":
+                raise ValidationError(f"{where}.tool_call_id", "only tool messages carry a tool_call_id")
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             if self.role != "assistant":
@@ -148,7 +129,20 @@ def _tool_call_problem(call: dict[str, Any]) -> str | None:
         or set(fn) - {"name", "arguments"}
     ):
         return 'a tool call is {"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
-    return surrogate_problem(fn["name"]) or surrogate_problem(fn["arguments"])
+    return _arguments_problem(fn["arguments"])
+
+
+def _arguments_problem(arguments: str) -> str | None:
+    """What is wrong with a tool call's ``arguments`` once decoded (the template gets the object), or None. Text
+    that is not JSON is passed on as it is; decoded, it is held to the same nesting and Unicode bounds."""
+    try:
+        decoded = json.loads(arguments)
+    except RecursionError:
+        return f"function.arguments: nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays; flatten it"
+    except ValueError:
+        return None
+    problem = json_problem(decoded, "function.arguments")
+    return None if problem is None else f"{problem[0]} (decoded): {problem[1]}"
 
 
 def _plain(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -158,7 +152,7 @@ def _plain(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class FunctionDef(_Checked):
+class FunctionDef(_Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
@@ -171,13 +165,22 @@ class FunctionDef(_Checked):
             raise ValueError(f"a function name is 1 to 64 letters, digits, '_' or '-', got {v!r}")
         return v
 
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The arguments are a JSON object, so their schema is one of an object (or {}: no arguments), as at OpenAI.
+        if v is not None and v and v.get("type") != "object":
+            got = f"type {v['type']!r}" if "type" in v else "no type"
+            raise ValueError(f'the parameters are a JSON schema of "type": "object", got {got}')
+        return v
+
     def for_template(self) -> dict[str, Any]:
         described = {} if self.description is None else {"description": self.description}
         parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
         return {"name": self.name, **described, "parameters": parameters}
 
 
-class Tool(_Checked):
+class Tool(_Body):
     type: Literal["function"]
     function: FunctionDef
 
@@ -192,7 +195,7 @@ _PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 _DIRECT_PARAMS = ("temperature", "top_k", "top_p", "min_p", "ignore_eos", "skip_special_tokens", *_PENALTIES)
 
 
-class _Sampling(_Checked):
+class _Sampling(_Request):
     """Fields shared by chat and completions."""
 
     _grammar_fields: ClassVar[tuple[str, ...]] = ("regex", "ebnf")
@@ -415,8 +418,9 @@ class ChatCompletionRequest(_Sampling):
                 return "tool_choice", f"the function {fn['name']!r} is not among the tools (offered: {offered})"
         elif choice is not None and choice not in ("none", "auto", "required"):
             return "tool_choice", f'expected "none", "auto", "required" or a named function, got {choice!r}'
-        if choice not in (None, "none", "auto") and not names:
-            return "tool_choice", "a tool choice other than none/auto needs tools"
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None and not names:
+                return name, f"{name} is only allowed when tools are given; send tools or leave {name} out"
         other = next(iter(self._constraints()), None)
         if other is not None and self.tool_mode()[0] in ("required", "named"):
             asked = "required" if choice == "required" else "naming a function"
@@ -529,7 +533,7 @@ UNSUPPORTED: dict[str, tuple[Check, str]] = {
 
 
 # ------------------------------------------------------------------ /tokenize, /detokenize (vLLM's shapes)
-class TokenizeRequest(_Checked):
+class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` (through the chat template, with ``tools``)."""
 
     model: str | None = None
@@ -558,7 +562,7 @@ class TokenizeRequest(_Checked):
         return self.prompt or ""
 
 
-class DetokenizeRequest(_Checked):
+class DetokenizeRequest(_Request):
     """``POST /detokenize``: token ids back to text."""
 
     model: str | None = None

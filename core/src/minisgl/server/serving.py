@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from typing import Any
 
 from starlette.types import Receive
 
+from ..core import LOGPROB_FLOOR
 from ..message import GenerateReq
 from .client import EngineClient
 from .tools import CallStream, parse_whole
@@ -206,11 +208,25 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 # --------------------------------------------------------------- logprobs
+def _finite(lp: float) -> float:
+    """A logprob as JSON can carry it: -inf and NaN (no probability) become OpenAI's floor."""
+    return lp if math.isfinite(lp) else LOGPROB_FLOOR
+
+
+def _alternatives(top: list[list[Any]]) -> list[tuple[str, float]]:
+    """The alternatives that have a probability (a token a grammar forbids is none)."""
+    return [(a, alp) for a, alp in top if math.isfinite(alp)]
+
+
 def chat_logprobs(entries: list[list[Any]]) -> dict[str, Any]:
     def item(text: str, lp: float) -> dict[str, Any]:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]} for t, lp, top in entries]}
+    return {
+        "content": [
+            {**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in _alternatives(top)]} for t, lp, top in entries
+        ]
+    }
 
 
 def completion_logprobs(entries: list[list[Any]], offset: int) -> dict[str, Any]:
@@ -220,8 +236,8 @@ def completion_logprobs(entries: list[list[Any]], offset: int) -> dict[str, Any]
         offset += len(t)
     return {
         "tokens": [t for t, _, _ in entries],
-        "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{a: alp for a, alp in top} for _, _, top in entries],
+        "token_logprobs": [_finite(lp) for _, lp, _ in entries],
+        "top_logprobs": [{a: alp for a, alp in _alternatives(top)} for _, _, top in entries],
         "text_offset": offsets,
     }
 

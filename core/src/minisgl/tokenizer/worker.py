@@ -31,18 +31,16 @@ class TokenizerService:
                 return RequestFailed(req.rid, field, "this model has no tokenizer; send token ids as the prompt")
             else:
                 if req.messages is not None:
+                    # Cheap bounds first: rendering a huge conversation would hold up the requests behind it.
+                    too_long = self._too_long(_content_chars(req.messages), len(req.messages))
+                    if too_long is not None:
+                        return RequestFailed(req.rid, field, too_long)
                     text = apply_template(tok, req.messages, req.tools, add_generation_prompt=True)
                 else:
                     text = req.text or ""
-                if limits is not None and self.max_token_chars > 0:
-                    at_least = math.ceil(len(text) / self.max_token_chars)
-                    if at_least >= limits.max_model_len:
-                        return RequestFailed(
-                            req.rid,
-                            field,
-                            f"the prompt has at least {at_least} tokens ({len(text)} characters), "
-                            f"but the context length is {limits.max_model_len}",
-                        )
+                too_long = self._too_long(len(text), 0)
+                if too_long is not None:
+                    return RequestFailed(req.rid, field, too_long)
                 # A chat template already wrote any BOS token the model wants.
                 ids = list(tok.encode(text, add_special_tokens=req.messages is None))
         except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
@@ -52,6 +50,33 @@ class TokenizerService:
             if problem is not None:
                 return RequestFailed(req.rid, *problem)
         return TokenizedReq(req.rid, ids, req.params)
+
+    def _too_long(self, chars: int, messages: int) -> str | None:
+        """Why a prompt of at least ``chars`` characters (or ``messages`` messages, each at least one token once
+        rendered) cannot fit the context, from these counts alone, or None."""
+        limits = self.limits
+        if limits is None:
+            return None
+        if messages >= limits.max_model_len:
+            return (
+                f"the conversation has {messages} messages, each at least one token, but the context length is "
+                f"{limits.max_model_len}"
+            )
+        at_least = math.ceil(chars / self.max_token_chars) if self.max_token_chars > 0 else 0
+        if at_least >= limits.max_model_len:
+            return (
+                f"the prompt has at least {at_least} tokens ({chars} characters), "
+                f"but the context length is {limits.max_model_len}"
+            )
+        return None
+
+
+def _content_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' text that a rendered conversation holds at least once (an assistant's is left
+    out: some templates shorten earlier replies, dropping their reasoning)."""
+    return sum(
+        len(m["content"]) for m in messages if m.get("role") != "assistant" and isinstance(m.get("content"), str)
+    )
 
 
 def apply_template(

@@ -3,6 +3,7 @@ request, and each step's bitmask of the constrained rows filled on the host and 
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,10 @@ import xgrammar
 from minisgl.core import ValidationError
 from minisgl.engine.grammar import BaseGrammarBackend, TokenMask, error_field
 
+from .schema import schema_problem
+
+# Replies are compact JSON: no whitespace, not even xgrammar's default ", " and ": " separators.
+COMPACT = {"any_whitespace": False, "separators": (",", ":")}
 KIND_NAMES = {"json": "json", "json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
 
 
@@ -70,13 +75,15 @@ class XGrammarBackend(BaseGrammarBackend):
             return hit
         if kind not in KIND_NAMES:
             raise ValidationError("grammar", f"unknown grammar kind {kind!r}")
+        if kind == "json_schema":
+            self._check_schema(text)
         compiler = self._get_compiler()
         try:
             if kind == "json":
                 # Any JSON object, compact: free whitespace lets a small model pad forever.
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                compiled = compiler.compile_json_schema('{"type": "object"}', **COMPACT)
             elif kind == "json_schema":
-                compiled = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                compiled = compiler.compile_json_schema(text, strict_mode=True, **COMPACT)
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
             else:
@@ -84,10 +91,32 @@ class XGrammarBackend(BaseGrammarBackend):
         except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError/its own errors
             why = str(exc).strip() or type(exc).__name__
             raise ValidationError(field, f"invalid {KIND_NAMES[kind]}: {why}") from exc
+        if self._admits_nothing(compiled):
+            raise ValidationError(field, f"no string satisfies this {KIND_NAMES[kind]}: it allows no first token")
         self._cache[key] = compiled
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return compiled
+
+    def _admits_nothing(self, compiled: Any) -> bool:
+        """Whether a fresh matcher of ``compiled`` allows no token at all (stop tokens included)."""
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=not self.stop_token_ids)
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        logits = torch.zeros(1, self.vocab_size)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+        return not bool(torch.isfinite(logits).any())
+
+    @staticmethod
+    def _check_schema(text: str) -> None:
+        """Refuse a schema that uses what xgrammar does not enforce (before xgrammar sees it)."""
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ValidationError(error_field("json_schema"), f"invalid JSON schema: {exc}") from None
+        problem = schema_problem(schema)
+        if problem is not None:
+            raise ValidationError(error_field("json_schema"), problem)
 
     def matcher(self, compiled: Any) -> Any:
         # With no stop token known, the matcher ends as soon as the grammar is complete.
