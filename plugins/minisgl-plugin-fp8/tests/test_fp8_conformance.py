@@ -5,6 +5,8 @@ equals the float32 product of the de-quantized weights (the CPU reference path; 
 from __future__ import annotations
 
 import torch
+from minisgl_plugin_fp8.config import parse_config
+from minisgl_plugin_fp8.method import FP8Method
 from minisgl_plugin_fp8.testing import quantization_config, quantize_weight
 
 from minisgl.testing.quantization import QuantMethodConformance
@@ -39,3 +41,33 @@ class TestCompressedTensorsChannel(TestFP8Block):
 class TestCompressedTensorsTensor(TestFP8Block):
     layout = "ct-tensor"
     config = quantization_config("ct-tensor")
+
+
+def _forced(path: str):  # noqa: ANN202 - a quantization factory
+    def factory(config: dict | None, dtype: torch.dtype, device: torch.device) -> FP8Method:
+        return FP8Method(parse_config(config), dtype, device, paths=(path,))
+
+    return factory
+
+
+class TestDequantPathBlock(TestFP8Block):
+    """The GPU fallback (de-quantize on every call, bf16 matmul), forced on the CPU."""
+
+    method = staticmethod(_forced("dequant"))
+    dtype = torch.bfloat16
+    max_rel_err = 0.02  # bf16 weights, activations and output
+
+
+class TestDequantPathChannel(TestDequantPathBlock):
+    layout = "ct-channel"
+    config = quantization_config("ct-channel")
+
+
+class TestScaledMMPathOnCPU(TestFP8Block):
+    """The per-channel GPU path's layer wiring (torch._scaled_mm, which torch also runs on the CPU)."""
+
+    method = staticmethod(_forced("scaled_mm"))
+    layout = "ct-channel"
+    config = quantization_config("ct-channel")
+    dtype = torch.bfloat16
+    max_rel_err = 0.08  # activations quantized to FP8 per token

@@ -160,3 +160,22 @@ def test_tensor_parallel_ranks_load_their_shards(float_models: dict, tmp_path: P
     source, hf_model = float_models["LlamaForCausalLM", "even"]
     state = write_fp8_checkpoint(source, tmp_path, layout)
     assert generate(tmp_path, tp=2) == reference_tokens(hf_model, state)
+
+
+def test_scaled_mm_call_on_torchs_cpu_implementation() -> None:
+    """The per-channel GPU path's torch._scaled_mm call (operand layout, scale shapes, bias, 3-D input), run by
+    torch's CPU implementation of the same operator, against the float32 W8A8 reference."""
+    from minisgl_plugin_fp8 import kernels
+    from minisgl_plugin_fp8.reference import reference_w8a8_linear
+
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(320, 192) * 192**-0.5)
+    x = torch.randn(2, 7, 192, dtype=torch.bfloat16)
+    bias = torch.randn(320, dtype=torch.bfloat16)
+    try:
+        y = kernels.scaled_mm_linear(x, q, scale, bias)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"this torch build has no CPU FP8 _scaled_mm: {exc}")
+    ref = reference_w8a8_linear(x, q, scale, None, bias)
+    assert y.shape == (2, 7, 320) and y.dtype == torch.bfloat16
+    assert float((y.float() - ref).norm() / ref.norm()) < 0.01
