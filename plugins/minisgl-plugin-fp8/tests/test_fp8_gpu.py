@@ -128,22 +128,34 @@ def test_layers_choose_a_kernel_and_match_the_reference(scheme: str) -> None:
 
 
 def test_bf16_and_fp8_greedy_agree_on_a_tiny_model(tmp_path) -> None:
-    """The same tiny model in bf16 and quantized at load to FP8: the greedy tokens mostly agree."""
+    """The same tiny model in bf16 and quantized at load to FP8: wherever bf16's greedy choice is decisive
+    (its top token leads the runner-up by more than ``MARGIN`` nats), FP8 picks the same token.
+
+    Compared up to each prompt's first difference (after it the prefixes differ). A random tiny model's logits
+    are nearly flat, so FP8's rounding (about 3% per value) flips close calls: on the H200 only 19 of 64 tokens
+    came before the first difference. A close call may differ; a decisive one may not."""
     from minisgl import LLM, SamplingParams
     from minisgl.testing.models import random_prompts, save_tiny_model
 
+    margin = 0.5
     save_tiny_model("LlamaForCausalLM", tmp_path, hidden_size=256, intermediate_size=512, head_dim=64)
-    prompts = random_prompts([9, 21, 40, 64], vocab_size=512, seed=1)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([9, 21, 40, 64, 12, 30, 50, 17], vocab_size=512, seed=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = {}
     for quant in ("none", "fp8"):
         with LLM(str(tmp_path), device="cuda", dtype="bfloat16", quantization=quant, cuda_graph_max_bs=0) as llm:
-            outs[quant] = [o.token_ids for o in llm.generate(prompts, params)]
-    # The first token of each prompt comes from identical prefixes: nearly all agree; later tokens may diverge
-    # once one differs, so agreement is counted up to the first difference.
-    assert sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["none"])) >= 3
-    agreed = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(*outs.values()))
-    assert agreed >= 0.6 * sum(len(o) for o in outs["none"])
+            outs[quant] = llm.generate(prompts, params)
+    decisive = 0
+    for ref, got in zip(outs["none"], outs["fp8"], strict=True):
+        for lp, token in zip(ref.logprobs, got.token_ids, strict=False):
+            ranked = sorted((v for _, v in lp.top), reverse=True)
+            lead = ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+            if lead > margin:
+                decisive += 1
+                assert token == lp.token_id, f"FP8 chose {token} where bf16's {lp.token_id} led by {lead:.2f} nats"
+            if token != lp.token_id:
+                break
+    assert decisive >= 4, f"only {decisive} decisive greedy choices: the comparison tested too little"
 
 
 class TestFP8BlockOnCuda(cpu_kit.TestFP8Block):
