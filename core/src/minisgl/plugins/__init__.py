@@ -9,3 +9,4 @@ from .registry import core_version, load_plugins
 from .specs import KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
 from .specs import GrammarBackendSpec, KernelSetSpec, Unsupported, resolve
+from .firstparty import FIRST_PARTY, install_hint
