@@ -138,6 +138,27 @@ def test_serve_fails_at_once_with_a_message(tmp_path: Path, args: list[str], env
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize("what", ["directory", "file"])
+def test_serve_refuses_a_model_it_cannot_read_in_one_line(tmp_path: Path, what: str) -> None:
+    """A directory without config.json (or a file that is not .gguf) fails in preflight: one line, the fix."""
+    model = tmp_path / "model"
+    if what == "directory":
+        model.mkdir()
+        (model / "weights.safetensors").write_bytes(b"")
+    else:
+        model.write_text("not a model")
+    out = run_cli("serve", "--model", str(model))
+    assert out.returncode == 2
+    fix = "point --model at a Hugging Face model directory (config.json + *.safetensors), a .gguf file or dist:NAME"
+    problem = (
+        f"model directory '{model}' has no config.json"
+        if what == "directory"
+        else (f"model file '{model}' is not a .gguf file")
+    )
+    assert out.stderr == f"minisgl serve: error: --model: {problem}: {fix}\n"
+    assert out.stdout == ""
+
+
 def test_serve_refuses_a_busy_port(tmp_path: Path) -> None:
     import socket
 

@@ -164,12 +164,12 @@ def preflight(settings: ServeSettings) -> list[str]:
         EngineConfig(**{**settings.engine_fields(), "device": "cpu" if device == "auto" else device})
     except ValidationError as exc:
         raise PreflightError(f"{_where(exc.field)}: {exc.message}") from None
-    from ..utils.model_path import ModelPathError, parse_hub_id, resolve_model_path
+    from ..utils.model_path import ModelPathError, check_model, parse_hub_id, resolve_model_path
 
     # A Hub id is downloaded here, once, before the workers start (they then find it cached).
     if not (settings.load_format == "dummy" and settings.hf_config_path) or parse_hub_id(settings.model):
         try:
-            resolve_model_path(settings.model)
+            check_model(resolve_model_path(settings.model))
         except ModelPathError as exc:
             raise PreflightError(f"--model: {exc}") from None
     try:
