@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from minisgl.server.settings import (
     ServeSettings,
     SettingsError,
     build_parser,
+    flag_name,
     parse_settings,
     preflight,
 )
@@ -48,6 +50,20 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
                  "--kv-pool", "--moe-backend", "--shell", "--nnodes", "--node-rank", "--dist-init-addr",
                  "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
         assert flag in out.stdout, flag
+
+
+def test_chat_help_lists_the_engine_flags_and_its_own_only() -> None:
+    from minisgl.config import EngineFields
+
+    out = run_cli("chat", "--help")
+    assert out.returncode == 0, out.stderr
+    flags = set(re.findall(r"(--[a-z][a-z-]*)", out.stdout))
+    server_only = {flag_name(f) for f in ServeSettings.model_fields if f not in EngineFields.model_fields}
+    assert {"--host", "--port", "--api-key", "--shell"} <= server_only
+    assert not flags & server_only, sorted(flags & server_only)
+    assert {flag_name(f) for f in EngineFields.model_fields} | {"--temperature", "--max-tokens", "--system"} <= flags
+    serve = set(re.findall(r"(--[a-z][a-z-]*)", run_cli("serve", "--help").stdout))
+    assert server_only <= serve
 
 
 def test_engine_settings_have_one_definition() -> None:

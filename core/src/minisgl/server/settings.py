@@ -103,8 +103,15 @@ def _plain_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     return annotation, None
 
 
-def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with one flag per settings field; unset flags stay unset (the environment applies)."""
+def build_parser(
+    prog: str = "minisgl serve", *, description: str = "", server: bool | None = None
+) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per settings field; unset flags stay unset (the environment applies).
+
+    ``server``: include the server's own fields (``--host``, ``--port``, ``--api-key``, ...); ``None``: yes for
+    ``minisgl serve``, no for ``minisgl chat``, which serves nothing and takes the engine's fields alone.
+    """
+    server = prog != "minisgl chat" if server is None else server
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -112,9 +119,12 @@ def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argpa
         epilog=f"Every flag can also be set with an environment variable: {ENV_PREFIX}<FLAG NAME> "
         f"(e.g. {ENV_PREFIX}MAX_RUNNING_REQUESTS=32). A flag wins over the environment.",
     )
-    engine_group, server_group = parser.add_argument_group("model and engine"), parser.add_argument_group("server")
+    engine_group = parser.add_argument_group("model and engine")
+    server_group = parser.add_argument_group("server") if server else None
     for name, info in ServeSettings.model_fields.items():
         group = engine_group if name in EngineFields.model_fields else server_group
+        if group is None:
+            continue
         default = "required; " if info.is_required() else "" if info.default is None else f"default: {info.default}; "
         help_text = f"{info.description} ({default}env {ENV_PREFIX}{name.upper()})"
         flags = [flag_name(name), *FLAG_ALIASES.get(name, [])]
