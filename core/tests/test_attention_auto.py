@@ -22,7 +22,7 @@ def _registry():  # noqa: ANN202
 
     @hookimpl
     def minisgl_attention_backends() -> list[AttentionBackendSpec]:
-        return [AttentionBackendSpec(name="picky", factory=_picky, priority=1000)]
+        return [AttentionBackendSpec(name="picky", factory=_picky, auto=True, priority=1000)]
 
     module.minisgl_attention_backends = minisgl_attention_backends  # type: ignore[attr-defined]
     extra = [

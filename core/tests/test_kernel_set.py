@@ -30,7 +30,7 @@ def _registry():  # type: ignore[no-untyped-def]
 
     @hookimpl
     def minisgl_kernel_sets() -> list[KernelSetSpec]:
-        return [KernelSetSpec(name="half", factory=_half_only)]
+        return [KernelSetSpec(name="half", factory=_half_only, auto=True)]
 
     module.minisgl_kernel_sets = minisgl_kernel_sets  # type: ignore[attr-defined]
     return load_plugins(only=["builtin", "half"], extra=[PluginSource("half", module)], environ={})

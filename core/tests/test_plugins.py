@@ -8,14 +8,21 @@ tested in test_plugins_discovery.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
+import tomllib
 import types
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from minisgl.plugins import (
+    FIRST_PARTY,
+    HOOKS,
     AttentionBackendSpec,
+    Kind,
     KVPoolSpec,
     ModelSpec,
     MoEBackendSpec,
@@ -148,8 +155,8 @@ def test_aliases_resolve_to_the_same_spec() -> None:
 
 
 def test_auto_picks_the_highest_priority_supported_spec() -> None:
-    gpu_only = attn("gpu", priority=10, is_supported=lambda device: device == "cuda")
-    mid = attn("mid", priority=5, is_supported="operator:truth")  # a lazy check, true for any device name
+    gpu_only = attn("gpu", auto=True, priority=10, is_supported=lambda device: device == "cuda")
+    mid = attn("mid", auto=True, priority=5, is_supported="operator:truth")  # a lazy check, true for any device name
     reg = load(source("k", minisgl_attention_backends=[gpu_only, mid]))
     assert reg.pick("attention", "auto", "cuda").name == "gpu"
     assert reg.pick("attention", "auto", "cuda:1").name == "gpu"  # the device index does not matter
@@ -167,7 +174,7 @@ def test_broken_support_check_means_unsupported() -> None:
     def check(device: str) -> bool:
         raise RuntimeError("driver missing")
 
-    reg = load(source("k", minisgl_attention_backends=[attn("odd", priority=99, is_supported=check)]))
+    reg = load(source("k", minisgl_attention_backends=[attn("odd", auto=True, priority=99, is_supported=check)]))
     assert reg.pick("attention", "auto", "cpu").name == "torch"
 
 
@@ -446,16 +453,16 @@ def test_auto_follows_pluggy_call_order() -> None:
     class First:
         @hookimpl(tryfirst=True)
         def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
-            return [attn("fast")]
+            return [attn("fast", auto=True)]
 
     class Plain:
         @hookimpl
         def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
-            return [attn("good"), attn("good-old")]
+            return [attn("good", auto=True), attn("good-old", auto=True)]
 
         @hookimpl
         def minisgl_prefix_caches(self) -> list[PrefixCacheSpec]:
-            return [PrefixCacheSpec(name="tree", factory=dict)]
+            return [PrefixCacheSpec(name="tree", factory=dict, auto=True)]
 
     plain = PluginSource("plain", Plain(), "plain-dist", "1.0")
     reg = load(PluginSource("zfirst", First(), "first-dist", "1.0"), plain)
@@ -464,10 +471,38 @@ def test_auto_follows_pluggy_call_order() -> None:
     assert reg.pick("prefix_cache", "auto", "cpu").name == "tree"  # any plugin outranks the built-in 'naive'
     reg = load(plain)
     assert reg.pick("attention", "auto", "cuda").name == "good"
-    late = source("late", minisgl_attention_backends=[attn("late", priority=1)])
+    late = source("late", minisgl_attention_backends=[attn("late", auto=True, priority=1)])
     assert load(PluginSource("zfirst", First(), "first-dist", "1.0"), late).pick("attention", "auto", "cpu").name == (
         "late"
     )
+
+
+def test_auto_takes_only_specs_that_say_auto() -> None:
+    """A component without auto=True is chosen only by name, whatever its hook marker or priority."""
+
+    class Eager:
+        @hookimpl(tryfirst=True)
+        def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
+            return [attn("slow-copy", priority=99)]
+
+        @hookimpl(tryfirst=True)
+        def minisgl_prefix_caches(self) -> list[PrefixCacheSpec]:
+            return [PrefixCacheSpec(name="tree", factory=dict)]
+
+    reg = load(PluginSource("eager", Eager(), "eager-dist", "1.0"))
+    assert [s.name for s in reg.ranked("attention", "cpu")] == ["torch"]
+    assert reg.pick("attention", "auto", "cpu").name == "torch"
+    assert reg.pick("prefix_cache", "auto", "cpu").name == "naive"
+    assert reg.pick("attention", "slow-copy", "cpu").name == "slow-copy"  # named, it is used
+    reg = load(PluginSource("eager", Eager(), "eager-dist", "1.0"), env={"MINISGL_DISABLE_PLUGINS": "builtin"})
+    with pytest.raises(UnknownComponentError) as info:
+        reg.pick("prefix_cache", "auto", "cpu")
+    assert str(info.value) == (
+        "no installed prefix cache that 'auto' may choose supports device 'cpu'; installed: tree (eager-dist). "
+        "tree can be named explicitly (a spec joins 'auto' with auto=True)"
+    )
+    with pytest.raises(TypeError, match=r"^AttentionBackendSpec.auto must be True or False, got 1$"):
+        attn("x", auto=1)
 
 
 # ----------------------------------------------------- unknown components
@@ -476,10 +511,47 @@ def test_unknown_name_lists_what_is_installed_and_where_to_look() -> None:
     with pytest.raises(UnknownComponentError) as info:
         reg.get("attention", "flashinfer")
     assert str(info.value) == (
-        "unknown attention backend 'flashinfer'; installed: torch (minisgl). "
+        "unknown attention backend 'flashinfer'; installed: torch (minisgl). 'flashinfer' is provided by "
+        "minisgl-plugin-flashinfer: pip install minisgl-plugin-flashinfer. "
         "`minisgl plugins` lists each plugin and what it provides; docs/plugins.md says how to add one."
     )
-    assert "pip install" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "dist"),
+    [
+        ("attention", "fi", "minisgl-plugin-flashinfer"),
+        ("attention", "fa3", "minisgl-plugin-fa"),
+        ("attention", "xqa", "minisgl-plugin-trtllm"),
+        ("attention", "cpu", "minisgl-plugin-cpu"),
+        ("kernels", "triton", "minisgl-plugin-triton"),
+        ("kernels", "native", "minisgl-plugin-cpu"),
+        ("prefix_cache", "radix", "minisgl-plugin-radix"),
+        ("grammar", "xgrammar", "minisgl-plugin-xgrammar"),
+        ("moe", "fused", "minisgl-plugin-qwen3-moe"),
+        ("model", "Qwen2ForCausalLM", "minisgl-plugin-llama"),
+    ],
+)
+def test_unknown_first_party_name_says_what_to_install(kind: Kind, name: str, dist: str) -> None:
+    with pytest.raises(UnknownComponentError, match=f" '{name}' is provided by {dist}: pip install {dist}\\. "):
+        load().get(kind, name)
+
+
+def test_first_party_table_matches_what_the_plugins_declare() -> None:
+    """Every name and alias a first-party plugin in this tree declares is in the table, with its distribution."""
+    root = Path(__file__).parents[2] / "plugins"
+    for pyproject in root.glob("minisgl-plugin-*/pyproject.toml"):
+        dist = pyproject.parent.name
+        entry = next(iter(tomllib.loads(pyproject.read_text())["project"]["entry-points"]["minisgl"].values()))
+        sys.path.insert(0, str(pyproject.parent / "src"))
+        try:
+            module = importlib.import_module(entry)
+        finally:
+            sys.path.pop(0)
+        for kind, hook in HOOKS.items():
+            for spec in getattr(module, hook, lambda: [])():
+                for name in (spec.name, *spec.aliases):
+                    assert FIRST_PARTY[kind].get(name) == dist, (kind, name, dist)
 
 
 def test_unknown_model_architecture() -> None:
@@ -514,7 +586,7 @@ def test_unknown_name_suggests_a_close_one_and_inactive_plugins() -> None:
         "docs/plugins.md says how to add one."
     )
     with pytest.raises(UnknownComponentError, match=r"installed: torch \(minisgl\)\. Installed"):
-        reg.get("attention", "xqa")  # nothing close: no suggestion
+        reg.get("attention", "paged")  # nothing close: no suggestion
 
 
 def test_engine_facing_api_with_installed_plugins() -> None:

@@ -175,6 +175,7 @@ def test_listing_json(dists: dict[str, Path]) -> None:
     assert good_row == {
         "name": "good",
         "aliases": ["gd"],
+        "auto": False,
         "priority": -5,
         "override": False,
         "description": "",

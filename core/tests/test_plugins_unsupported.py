@@ -44,10 +44,10 @@ class KernelPlugin:
     @hookimpl
     def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
         return [
-            attn("bw", priority=20, is_supported=needs_blackwell),
-            attn("bw-lazy", priority=19, is_supported=f"{__name__}:needs_blackwell"),
-            attn("cudaonly", priority=10, is_supported=lambda device: device == "cuda"),
-            attn("broken", priority=30, is_supported=broken),
+            attn("bw", auto=True, priority=20, is_supported=needs_blackwell),
+            attn("bw-lazy", auto=True, priority=19, is_supported=f"{__name__}:needs_blackwell"),
+            attn("cudaonly", auto=True, priority=10, is_supported=lambda device: device == "cuda"),
+            attn("broken", auto=True, priority=30, is_supported=broken),
         ]
 
 

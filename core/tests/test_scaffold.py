@@ -30,9 +30,16 @@ def test_generated_plugin_lists_and_passes_its_tests(tmp_path: Path, kind: str) 
     )
     env = subprocess_env(site, root / "src")
     listing = subprocess.run(
-        [sys.executable, "-m", "minisgl", "plugins"], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "minisgl", "plugins", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert listing.returncode == 0, listing.stderr
+    # A new component is chosen only by name: `auto` keeps what it chose before the plugin was installed.
+    auto = listing.stdout.splitlines()[-1]
+    assert auto.startswith("auto on cpu: ") and name not in auto, auto
     row = next(line for line in listing.stdout.splitlines() if line.startswith(project["name"]))
     provided = "Phi3ForCausalLM" if kind == "model" else name
     assert row.split()[2:] == [name, "active", f"{kind.replace('-', '_')}:", provided]

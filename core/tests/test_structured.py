@@ -45,7 +45,7 @@ class RecordingBackend(BaseGrammarBackend):
 
 @hookimpl
 def minisgl_grammar_backends() -> list[GrammarBackendSpec]:
-    return [GrammarBackendSpec(name="recording", factory=RecordingBackend)]
+    return [GrammarBackendSpec(name="recording", factory=RecordingBackend, auto=True)]
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ class _MissingLibrary:
 
     @hookimpl
     def minisgl_grammar_backends(self) -> list[GrammarBackendSpec]:
-        return [GrammarBackendSpec(name="broken", factory=RecordingBackend, is_supported=self._check)]
+        return [GrammarBackendSpec(name="broken", factory=RecordingBackend, auto=True, is_supported=self._check)]
 
 
 def test_auto_serves_without_grammars_when_no_installed_backend_runs(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from minisgl.server.settings import (
     ServeSettings,
     SettingsError,
     build_parser,
+    flag_name,
     parse_settings,
     preflight,
 )
@@ -48,6 +50,20 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
                  "--kv-pool", "--moe-backend", "--shell", "--nnodes", "--node-rank", "--dist-init-addr",
                  "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
         assert flag in out.stdout, flag
+
+
+def test_chat_help_lists_the_engine_flags_and_its_own_only() -> None:
+    from minisgl.config import EngineFields
+
+    out = run_cli("chat", "--help")
+    assert out.returncode == 0, out.stderr
+    flags = set(re.findall(r"(--[a-z][a-z-]*)", out.stdout))
+    server_only = {flag_name(f) for f in ServeSettings.model_fields if f not in EngineFields.model_fields}
+    assert {"--host", "--port", "--api-key", "--shell"} <= server_only
+    assert not flags & server_only, sorted(flags & server_only)
+    assert {flag_name(f) for f in EngineFields.model_fields} | {"--temperature", "--max-tokens", "--system"} <= flags
+    serve = set(re.findall(r"(--[a-z][a-z-]*)", run_cli("serve", "--help").stdout))
+    assert server_only <= serve
 
 
 def test_engine_settings_have_one_definition() -> None:
@@ -151,6 +167,27 @@ def test_serve_fails_at_once_with_a_message(tmp_path: Path, args: list[str], env
     out = run_cli("serve", "--model", str(tmp_path), *args, env=env)
     assert out.returncode == 2
     assert message in out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize("what", ["directory", "file"])
+def test_serve_refuses_a_model_it_cannot_read_in_one_line(tmp_path: Path, what: str) -> None:
+    """A directory without config.json (or a file that is not .gguf) fails in preflight: one line, the fix."""
+    model = tmp_path / "model"
+    if what == "directory":
+        model.mkdir()
+        (model / "weights.safetensors").write_bytes(b"")
+    else:
+        model.write_text("not a model")
+    out = run_cli("serve", "--model", str(model))
+    assert out.returncode == 2
+    fix = "point --model at a Hugging Face model directory (config.json + *.safetensors), a .gguf file or dist:NAME"
+    problem = (
+        f"model directory '{model}' has no config.json"
+        if what == "directory"
+        else (f"model file '{model}' is not a .gguf file")
+    )
+    assert out.stderr == f"minisgl serve: error: --model: {problem}: {fix}\n"
     assert out.stdout == ""
 
 

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("minisgl.server.cli", "start the OpenAI-compatible API server"),
     "chat": ("minisgl.server.chat", "chat with a model in the terminal"),
     "plugins": ("minisgl.plugins.listing", "list installed plugins and what they provide"),
+    "cache": ("minisgl.utils.cache", "list, size or clear the cache of converted GGUF models and built kernels"),
     "plugin": ("minisgl.scaffold", "create a plugin package: minisgl plugin new NAME --kind KIND"),
     "bench": ("minisgl_bench.cli", "run a benchmark (offline throughput, serving); needs minisgl-bench"),
 }

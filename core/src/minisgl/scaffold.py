@@ -33,6 +33,11 @@ USAGE = {
     "`minisgl serve --quantization {name}`.",
     "model": "Checkpoints whose config.json names `{architecture}` load with it: `minisgl serve --model PATH`.",
 }
+# Every kind but models is also chosen by `auto`, among the specs that opt in.
+AUTO_NOTE = (
+    " It is used only when named: `auto` keeps its choice until the spec in plugin.py sets `auto=True`"
+    ' (minisgl\'s docs/plugins.md, "Names, aliases and `auto`").'
+)
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -68,7 +73,7 @@ def create(name: str, kind: str, parent: Path, description: str = "", architectu
         "test_extra": ", ".join(f'"{r}"' for r in ("pytest>=8", test_needs) if r),
         "api_min": f"{major}.{minor}",
         "api_next": f"{major}.{minor + 1}",
-        "usage": USAGE[kind].format(name=name, architecture=architecture),
+        "usage": USAGE[kind].format(name=name, architecture=architecture) + ("" if kind == "model" else AUTO_NOTE),
     }
     templates = resources.files("minisgl") / "templates" / "plugin"
     files = {t.name.removesuffix(".tmpl"): t for t in (templates / "common").iterdir()}  # pyproject.toml, README.md

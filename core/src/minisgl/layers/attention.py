@@ -29,7 +29,13 @@ class ForwardContext:
 
 
 class AttentionBlock(nn.Module):
-    """q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rope, attention, output projection."""
+    """q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rope, attention, output projection.
+
+    Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (default hidden /
+    heads) and ``rms_norm_eps`` from ``config``. ``qkv_bias``: biases on q/k/v (Qwen2); ``qk_norm``: per-head
+    RMSNorm of q and k, with ``norm_offset`` as :class:`~minisgl.layers.RMSNorm`'s ``offset``; ``rotary``: the
+    model's shared :class:`~minisgl.layers.RotaryEmbedding`.
+    """
 
     def __init__(
         self,
@@ -38,6 +44,7 @@ class AttentionBlock(nn.Module):
         *,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        norm_offset: float = 0.0,
         rotary: RotaryEmbedding,
         tp: TPInfo,
         comm: Communicator,
@@ -56,8 +63,8 @@ class AttentionBlock(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, qkv_bias, tp=tp, **lin)
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, False, tp=tp, comm=comm, **lin)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, **kw) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, **kw) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, offset=norm_offset, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, offset=norm_offset, **kw) if qk_norm else None
         self.rotary = rotary  # shared by every layer: one cos/sin table per model
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -19,10 +19,15 @@ from .quant import UNQUANTIZED, LinearOp, QuantMethod
 
 
 def set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
+    """Attach ``loader(param, tensor, shard_id=None)`` to ``param``: :meth:`CausalLM.load_weights` calls it with
+    each checkpoint tensor of that name (already cast to the parameter's dtype). A layer whose checkpoint stores a
+    tensor differently from how it computes with it (transposed, offset, split) converts it here, once."""
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
 def default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Copy a checkpoint tensor of exactly the parameter's shape (a replicated, unsharded parameter); a shape
+    mismatch is a ``ValueError`` naming both shapes."""
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)

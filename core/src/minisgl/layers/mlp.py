@@ -13,10 +13,19 @@ from ..kernel import KernelSet, select_kernels
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .quant import QuantMethod
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+#: The activations :class:`GatedMLP` accepts, by their transformers ``hidden_act`` names: ``silu`` (SwiGLU:
+#: Llama, Mistral, Qwen; one fused kernel-set call), ``gelu`` (exact erf GELU) and ``gelu_pytorch_tanh`` (the
+#: tanh approximation: Gemma's GeGLU).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def activation(name: str):  # noqa: ANN201 - returns a tensor function
+    """The tensor function for activation ``name`` (a key of :data:`ACTIVATIONS`); a ``ValueError`` listing the
+    supported names otherwise."""
     try:
         return ACTIVATIONS[name]
     except KeyError:
@@ -24,7 +33,12 @@ def activation(name: str):  # noqa: ANN201 - returns a tensor function
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel weight."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel weight.
+
+    ``act``: a name from :data:`ACTIVATIONS` (``silu``, ``gelu``, ``gelu_pytorch_tanh``), usually
+    the config's ``hidden_act``; another name is a ``ValueError`` listing them. Checkpoints name the weights
+    ``gate_proj``/``up_proj``/``down_proj`` (fused here through :data:`~minisgl.models.STACKED_PARAMS`).
+    """
 
     def __init__(
         self,

@@ -35,14 +35,22 @@ class ModelContext:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, **kw: Any):
+    ``self_attn`` is called as ``self_attn(positions, x, ctx)`` (an :class:`~minisgl.layers.AttentionBlock`),
+    ``mlp`` as ``mlp(x)`` (a :class:`~minisgl.layers.GatedMLP`). Both norms are :class:`~minisgl.layers.RMSNorm`
+    with ``norm_offset`` (``1.0`` for Gemma's ``1 + weight``; pass :attr:`CausalLM.norm_offset`); ``kw``: the
+    norms' ``dtype``, ``device`` and ``kernels``.
+    """
+
+    def __init__(
+        self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, *, norm_offset: float = 0.0, **kw: Any
+    ):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps, **kw)  # kw: dtype, device, kernels
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, **kw)
+        self.input_layernorm = RMSNorm(hidden_size, eps, offset=norm_offset, **kw)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, offset=norm_offset, **kw)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -83,9 +91,19 @@ class _Backbone(nn.Module):
 
 class CausalLM(nn.Module):
     """A decoder-only causal LM over the paged KV cache; parameter names follow Hugging Face checkpoints
-    (``model.layers.0...``, ``lm_head.weight``), so :meth:`load_weights` needs no per-model table."""
+    (``model.layers.0...``, ``lm_head.weight``), so :meth:`load_weights` needs no per-model table.
+
+    What architectures differ in, without rewriting :meth:`forward` (docs/model-plugin-tutorial.md):
+    :meth:`make_layer` (the decoder layer), :attr:`norm_offset` (the norm variant), :meth:`embedding_scale` (a
+    factor on the input embedding), :attr:`stacked_params` and :meth:`map_weight_name` (checkpoint names). The
+    output embedding is tied to the input one when the config's ``tie_word_embeddings`` says so.
+    """
 
     stacked_params: tuple[tuple[str, str, Any], ...] = STACKED_PARAMS
+    #: Every :class:`~minisgl.layers.RMSNorm` computes ``x / rms(x) * (norm_offset + weight)``: ``0.0`` (Llama),
+    #: ``1.0`` (Gemma). Used for the final norm; pass it to :class:`DecoderLayer` (``norm_offset=``) and
+    #: :class:`~minisgl.layers.AttentionBlock` (``norm_offset=``, for q/k norms) in :meth:`make_layer`.
+    norm_offset: float = 0.0
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
@@ -99,7 +117,10 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, self.max_positions, rope, device=ctx.device, kernels=ctx.kernels)
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
         layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
-        self.model = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw))
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=self.norm_offset, **kw)
+        self.model = _Backbone(embed, layers, norm)
+        # Rounded to the model's dtype, as the checkpoints' own code multiplies; 1.0 costs nothing per step.
+        self.embed_scale = float(torch.tensor(float(self.embedding_scale()), dtype=ctx.dtype).item())
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=ctx.tp, comm=ctx.comm, **kw)
         if self.tie_word_embeddings:
@@ -134,12 +155,20 @@ class CausalLM(nn.Module):
         return int(getattr(self.config, "max_position_embeddings", 4096))
 
     def make_layer(self, layer_id: int) -> nn.Module:
-        """Build decoder layer ``layer_id``; architecture files override this."""
+        """Build decoder layer ``layer_id``; architecture files override this. Called from ``__init__`` after
+        ``self.ctx``, ``self.config`` and ``self.rotary`` are set, before the embedding and final norm exist."""
         raise NotImplementedError
+
+    def embedding_scale(self) -> float:
+        """The factor the input embedding is multiplied by: ``1.0`` (no multiply at all); Gemma returns
+        ``self.config.hidden_size ** 0.5``. Called once, in ``__init__``."""
+        return 1.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` after the final norm."""
         hidden = self.model.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            hidden = hidden * self.embed_scale
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)

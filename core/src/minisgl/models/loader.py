@@ -1,15 +1,14 @@
 """Reading models from disk: Hugging Face directories (safetensors) and GGUF files, dequantized on first load
 (tens of seconds) into a Hugging Face directory under ``$MINISGL_CACHE_DIR/gguf/`` (default ``~/.cache/minisgl``),
-keyed by the file's path, size and mtime; later loads and every worker process read that directory."""
+keyed by the file's content; later loads, every worker process and every environment read that directory."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,46 +46,64 @@ class ModelSource:
         return str(self.origin or self.path)
 
 
-def gguf_to_hf_dir(path: Path) -> Path:
-    """The cached HF-format directory for GGUF ``path``, converting it on first use."""
+def gguf_to_hf_dir(path: Path, convert: Callable[[Path, Path], None] | None = None) -> Path:
+    """The cached HF-format directory for GGUF ``path``, converting it on first use.
+
+    Keyed by the file's content (:func:`~minisgl.utils.cache.content_digest`), so every environment and every
+    copy of the same file share one entry under ``$MINISGL_CACHE_DIR/gguf`` (``minisgl cache`` lists and clears
+    them). One process converts while the others wait on a lock, then reuse its result; the entry is written in a
+    temporary directory and renamed into place. ``convert(gguf_file, out_dir)``: the converter (default: through
+    transformers).
+    """
     import fcntl  # POSIX only: needed for GGUF files alone
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl"))
-    target = cache / "gguf" / f"{path.stem}-{key}"
+    from ..utils.cache import GGUF, SOURCE_FILE, cache_root, write_atomically
+    from ..utils.cache import content_digest as digest_of
+
+    cache = cache_root() / GGUF
+    cache.mkdir(parents=True, exist_ok=True)
+    digest = digest_of(path, cache / ".digests")
+    target = cache / f"{path.stem}-{digest[:16]}"
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    with open(cache / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others wait, then reuse
         if (target / "config.json").exists():
             return target
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".convert-"))
         try:
-            import gguf  # noqa: F401
-        except ImportError as exc:
-            raise ModelLoadError("loading .gguf files needs the 'gguf' package: pip install gguf accelerate") from exc
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-        try:
-            loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-            config = loaded.config
-            for attr in ("quantization_config", "_pre_quantization_dtype"):
-                if hasattr(config, attr):
-                    delattr(config, attr)
-            config.architectures = [type(loaded).__name__]
-            # A GGUF-loaded model refuses save_pretrained: copy into a plain model first.
-            plain = type(loaded)(config)
-            plain.load_state_dict(loaded.state_dict())
-            plain.save_pretrained(tmp)
-            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+            (convert or _convert_with_transformers)(path, tmp)
+            source = {"source": str(path.resolve()), "sha256": digest, "size": path.stat().st_size}
+            write_atomically(tmp / SOURCE_FILE, json.dumps(source) + "\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the entry is as readable as the file it came from
             os.replace(tmp, target)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise ModelLoadError(f"cannot read GGUF file '{path}': {exc}") from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _convert_with_transformers(path: Path, out: Path) -> None:
+    """Dequantize GGUF ``path`` with transformers (through the ``gguf`` package) and save it as HF into ``out``."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError("loading .gguf files needs the 'gguf' package: pip install gguf accelerate") from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        config = loaded.config
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        config.architectures = [type(loaded).__name__]
+        # A GGUF-loaded model refuses save_pretrained: copy into a plain model first.
+        plain = type(loaded)(config)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(out)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file '{path}': {exc}") from exc
 
 
 def load_config(source: ModelSource, config_path: str | None = None) -> Any:

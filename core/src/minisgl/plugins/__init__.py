@@ -10,3 +10,4 @@ from .specs import KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec,
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
 from .specs import GrammarBackendSpec, KernelSetSpec, QuantizationSpec, Unsupported, resolve
 from .quantization import QuantChoice, choose_quantization, read_quantization_config
+from .firstparty import FIRST_PARTY, install_hint

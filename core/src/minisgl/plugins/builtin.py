@@ -13,6 +13,7 @@ def minisgl_attention_backends() -> list[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="torch",
+            auto=True,
             factory="minisgl.attention.torch_backend:TorchAttnBackend",
             description=desc,
             kv_cache_dtypes=("fp8_e4m3",),
@@ -23,28 +24,32 @@ def minisgl_attention_backends() -> list[AttentionBackendSpec]:
 @hookimpl(trylast=True)
 def minisgl_kv_cache_pools() -> list[KVPoolSpec]:
     desc = "paged K/V buffers, one per layer, [pages, page_size, kv_heads, head_dim]"
-    return [KVPoolSpec(name="mha", factory="minisgl.kvcache.pool:MHAKVPool", description=desc)]
+    return [KVPoolSpec(name="mha", auto=True, factory="minisgl.kvcache.pool:MHAKVPool", description=desc)]
 
 
 @hookimpl(trylast=True)
 def minisgl_prefix_caches() -> list[PrefixCacheSpec]:
     desc = "no prefix reuse: every request computes its whole prompt"
-    return [PrefixCacheSpec(name="naive", factory="minisgl.kvcache.naive:NaivePrefixCache", description=desc)]
+    return [
+        PrefixCacheSpec(name="naive", auto=True, factory="minisgl.kvcache.naive:NaivePrefixCache", description=desc)
+    ]
 
 
 @hookimpl(trylast=True)
 def minisgl_moe_backends() -> list[MoEBackendSpec]:
     desc = "reference mixture-of-experts: sorted tokens, one matmul pair per expert"
-    return [MoEBackendSpec(name="torch", factory="minisgl.moe.torch_backend:TorchMoEBackend", description=desc)]
+    return [
+        MoEBackendSpec(name="torch", auto=True, factory="minisgl.moe.torch_backend:TorchMoEBackend", description=desc)
+    ]
 
 
 @hookimpl(trylast=True)
 def minisgl_kernel_sets() -> list[KernelSetSpec]:
     desc = "the layers' ops in plain PyTorch (the reference; any device and dtype)"
-    return [KernelSetSpec(name="torch", factory="minisgl.kernel:torch_kernels", description=desc)]
+    return [KernelSetSpec(name="torch", auto=True, factory="minisgl.kernel:torch_kernels", description=desc)]
 
 
 @hookimpl(trylast=True)
 def minisgl_quantization_methods() -> list[QuantizationSpec]:
     desc = "weights in the model's dtype (checkpoints without a quantization_config)"
-    return [QuantizationSpec(name="none", factory="minisgl.layers.quant:unquantized", description=desc)]
+    return [QuantizationSpec(name="none", auto=True, factory="minisgl.layers.quant:unquantized", description=desc)]

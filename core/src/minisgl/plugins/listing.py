@@ -25,7 +25,7 @@ def to_json(
     for kind in KINDS:
         for spec in registry.specs(kind):
             plugin = registry.provider(kind, spec.name)
-            row = {"name": spec.name, "aliases": list(spec.aliases), "priority": spec.priority}
+            row = {"name": spec.name, "aliases": list(spec.aliases), "auto": spec.auto, "priority": spec.priority}
             row |= {"override": spec.override, "description": spec.description, "factory": spec.factory_ref}
             row |= {"plugin": plugin.name, "distribution": plugin.distribution}
             if isinstance(spec, QuantizationSpec):

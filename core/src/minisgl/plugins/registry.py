@@ -20,6 +20,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ..utils import VERSION
 from . import hookspecs
+from .firstparty import FIRST_PARTY, install_hint
 from .specs import SPEC_TYPES, ComponentSpec, Kind, PluginError, PluginWarning, UnknownComponentError
 
 ENTRY_POINT_GROUP = "minisgl"
@@ -109,7 +110,10 @@ class PluginRegistry:
         known = [n for e in self._table[kind].values() for n in (e.spec.name, *e.spec.aliases)]
         # Architectures share their suffix ("...ForCausalLM"): compare what precedes it, or every name looks close.
         stem = (lambda n: n.split("For", 1)[0]) if kind == "model" else (lambda n: n)
-        if close := difflib.get_close_matches(stem(name), [stem(n) for n in known], n=1, cutoff=0.75):
+        installed = {p.distribution for p in self.plugins}
+        if (hint := install_hint(kind, name)) and FIRST_PARTY[kind][name] not in installed:
+            msg += f" {hint}."
+        elif close := difflib.get_close_matches(stem(name), [stem(n) for n in known], n=1, cutoff=0.75):
             msg += f" Did you mean '{next(n for n in known if stem(n) == close[0])}'?"
         elif kind == "model":
             msg += " No installed plugin provides it; docs/plugin-contracts.md#model says how to write one."
@@ -159,13 +163,21 @@ class PluginRegistry:
         return spec
 
     def ranked(self, kind: Kind, device: str) -> list[ComponentSpec]:
-        """The ``kind`` specs that run on ``device``, best first: by ``priority``, then by pluggy's call
-        order of the plugins' hooks (tryfirst ... trylast), then by each plugin's list order."""
+        """The ``kind`` specs that ``auto`` may choose (``auto=True``) and that run on ``device``, best first:
+        by ``priority``, then by pluggy's call order of the plugins' hooks (tryfirst ... trylast), then by each
+        plugin's list order. A spec without ``auto=True`` is used only when named."""
         entries = sorted(self._table[kind].values(), key=lambda e: (-e.spec.priority, e.rank))
-        if found := [e.spec for e in entries if e.spec.supports(device)]:
+        if found := [e.spec for e in entries if e.spec.auto and e.spec.supports(device)]:
             return found
+        noun = SPEC_TYPES[kind].noun
+        if by_name := [e.spec.name for e in entries if not e.spec.auto and e.spec.supports(device)]:
+            raise UnknownComponentError(
+                f"no installed {noun} that 'auto' may choose supports device '{device}'; installed: "
+                f"{self._installed(kind)}. {', '.join(by_name)} can be named explicitly (a spec joins 'auto' "
+                "with auto=True)"
+            )
         raise UnknownComponentError(
-            f"no installed {SPEC_TYPES[kind].noun} supports device '{device}'; installed: {self._installed(kind)}"
+            f"no installed {noun} supports device '{device}'; installed: {self._installed(kind)}"
         )
 
 

@@ -59,7 +59,8 @@ class ComponentSpec:
     name: str
     factory: Callable[..., Any] | str
     aliases: tuple[str, ...] = ()
-    priority: int = 0  # overrides the auto order set by pluggy's hook order; rarely needed
+    auto: bool = False  # a candidate for ``auto`` (``--attn auto``, ...); otherwise chosen only by name
+    priority: int = 0  # among auto candidates, overrides the order set by pluggy's hook order; rarely needed
     is_supported: Callable[[str], bool] | str | None = None
     override: bool = False  # replaces another plugin's component of the same name
     description: str = ""
@@ -76,6 +77,8 @@ class ComponentSpec:
             raise ValueError(f"{owner} name or alias 'auto' is reserved (it asks minisgl to choose)")
         if self.name in self.aliases:
             raise ValueError(f"{owner} '{self.name}' lists its own name among its aliases")
+        if not isinstance(self.auto, bool):
+            raise TypeError(f"{owner}.auto must be True or False, got {self.auto!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"{owner}.priority must be an int, got {self.priority!r}")
         for attr in ("factory", "is_supported") if self.is_supported is not None else ("factory",):

@@ -119,8 +119,15 @@ def _plain_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     return annotation, None
 
 
-def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with one flag per settings field; unset flags stay unset (the environment applies)."""
+def build_parser(
+    prog: str = "minisgl serve", *, description: str = "", server: bool | None = None
+) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per settings field; unset flags stay unset (the environment applies).
+
+    ``server``: include the server's own fields (``--host``, ``--port``, ``--api-key``, ...); ``None``: yes for
+    ``minisgl serve``, no for ``minisgl chat``, which serves nothing and takes the engine's fields alone.
+    """
+    server = prog != "minisgl chat" if server is None else server
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -128,9 +135,12 @@ def build_parser(prog: str = "minisgl serve", *, description: str = "") -> argpa
         epilog=f"Every flag can also be set with an environment variable: {ENV_PREFIX}<FLAG NAME> "
         f"(e.g. {ENV_PREFIX}MAX_RUNNING_REQUESTS=32). A flag wins over the environment.",
     )
-    engine_group, server_group = parser.add_argument_group("model and engine"), parser.add_argument_group("server")
+    engine_group = parser.add_argument_group("model and engine")
+    server_group = parser.add_argument_group("server") if server else None
     for name, info in ServeSettings.model_fields.items():
         group = engine_group if name in EngineFields.model_fields else server_group
+        if group is None:
+            continue
         default = "required; " if info.is_required() else "" if info.default is None else f"default: {info.default}; "
         help_text = f"{info.description} ({default}env {ENV_PREFIX}{name.upper()})"
         flags = [flag_name(name), *FLAG_ALIASES.get(name, [])]
@@ -189,13 +199,14 @@ def preflight(settings: ServeSettings) -> list[str]:
         EngineConfig(**{**settings.engine_fields(), "device": "cpu" if device == "auto" else device})
     except ValidationError as exc:
         raise PreflightError(f"{_where(exc.field)}: {exc.message}") from None
-    from ..utils.model_path import ModelPathError, parse_hub_id, resolve_model_path
+    from ..utils.model_path import ModelPathError, check_model, parse_hub_id, resolve_model_path
 
     # A Hub id is downloaded here, once, before the workers start (they then find it cached).
     model_dir: Path | None = None
     if not (settings.load_format == "dummy" and settings.hf_config_path) or parse_hub_id(settings.model):
         try:
             model_dir = resolve_model_path(settings.model)
+            check_model(model_dir)
         except ModelPathError as exc:
             raise PreflightError(f"--model: {exc}") from None
     try:

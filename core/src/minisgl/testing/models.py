@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
-#: The fields of every tiny model (:func:`tiny_config`): hidden 64, 2 layers, 4 query and 2 KV heads.
+#: The fields of every tiny model (:func:`tiny_config`): hidden 64, 2 layers, 4 query and 2 KV heads. Nothing
+#: else: every other field (``tie_word_embeddings``, ``head_dim``, ``hidden_act``, ...) keeps the architecture's
+#: own default, so the tiny model is built like the real ones.
 TINY_COMMON: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,
@@ -41,7 +43,6 @@ TINY_COMMON: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
@@ -51,6 +52,7 @@ TINY_COMMON: dict[str, Any] = {
 TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM", {}),
     "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 16}),
+    # Qwen2's small checkpoints tie their embeddings (the config's default does not): cover that path.
     "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
 }
@@ -62,6 +64,7 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
     :data:`TINY_COMMON` (hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, vocab 512,
     1024 positions), then the architecture's extras from :data:`TINY_ARCHITECTURES`, then
     ``overrides``. Architectures not listed there use the model class's own ``config_class``.
+    Any other field keeps the architecture's default (Gemma ties its embeddings, Llama does not).
     """
     import transformers
 

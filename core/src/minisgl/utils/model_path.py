@@ -177,3 +177,16 @@ def resolve_model_path(model: str) -> Path:
         f"a Hugging Face Hub id like Qwen/Qwen3-0.6B, or {DIST_PREFIX}NAME for a model shipped in an installed "
         "Python package)"
     )
+
+
+def check_model(path: Path) -> None:
+    """Raise :class:`ModelPathError` unless ``path`` (resolved) is a ``.gguf`` file or a directory with a
+    config.json: what an engine would otherwise find out only in a worker process, seconds later."""
+    fix = (
+        f"point --model at a Hugging Face model directory (config.json + *.safetensors), a .gguf file or "
+        f"{DIST_PREFIX}NAME"
+    )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelPathError(f"model file '{path}' is not a .gguf file: {fix}")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelPathError(f"model directory '{path}' has no config.json: {fix}")

@@ -13,6 +13,7 @@ def minisgl_attention_backends() -> list[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="cpu",
+            auto=True,
             factory="minisgl_plugin_cpu.attention:CPUAttnBackend",
             is_supported=SUPPORTED,
             description="native C kernels over the paged KV cache (CPU, float32)",
@@ -25,6 +26,7 @@ def minisgl_kernel_sets() -> list[KernelSetSpec]:
     return [
         KernelSetSpec(
             name="native",
+            auto=True,
             factory="minisgl_plugin_cpu.kernels:native_kernels",
             is_supported=SUPPORTED,
             description="C kernels: few-row GEMM, RMSNorm, rope, SiLU x up, KV store, argmax (CPU, float32)",

@@ -22,6 +22,7 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     specs = [  # best first: 'auto' prefers the generation-choosing 'fa'
         AttentionBackendSpec(
             name="fa",
+            auto=True,
             factory="minisgl_plugin_fa.backend:FlashAttnBackend",
             aliases=("flash-attn",),
             is_supported="minisgl_plugin_fa.support:is_supported",
@@ -32,6 +33,7 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
         specs.append(
             AttentionBackendSpec(
                 name=f"fa{gen}",
+                auto=True,
                 factory=f"minisgl_plugin_fa.backend:fa{gen}_backend",
                 is_supported=f"minisgl_plugin_fa.support:fa{gen}_supported",
                 description=f"FlashAttention {gen} paged prefill and decode (CUDA graphs for decode)",

@@ -21,6 +21,7 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="flashinfer",
+            auto=True,
             factory="minisgl_plugin_flashinfer.backend:FlashInferAttnBackend",
             aliases=("fi",),
             is_supported=is_supported,

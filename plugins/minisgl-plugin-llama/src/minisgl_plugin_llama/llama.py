@@ -25,8 +25,9 @@ class LlamaForCausalLM(CausalLM):
             layer_id,
             qkv_bias=self.qkv_bias or bool(getattr(cfg, "attention_bias", False)),
             qk_norm=self.qk_norm,
+            norm_offset=self.norm_offset,
             rotary=self.rotary,
             **kw,
         )
         mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), **kw)
-        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, **layer_kw)
+        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, norm_offset=self.norm_offset, **layer_kw)

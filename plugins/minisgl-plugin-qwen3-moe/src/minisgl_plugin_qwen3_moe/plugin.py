@@ -23,6 +23,7 @@ def minisgl_moe_backends() -> Iterable[MoEBackendSpec]:
     return [
         MoEBackendSpec(
             name="fused",
+            auto=True,
             factory="minisgl_plugin_qwen3_moe.fused_moe:FusedMoEBackend",
             is_supported=fused_supported,
             description="Triton fused MoE: token-to-expert alignment, grouped GEMMs with SiLU-and-multiply (CUDA)",

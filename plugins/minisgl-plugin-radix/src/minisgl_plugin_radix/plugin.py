@@ -12,6 +12,7 @@ def minisgl_prefix_caches() -> Iterable[PrefixCacheSpec]:
     return [
         PrefixCacheSpec(
             name="radix",
+            auto=True,
             factory="minisgl_plugin_radix.radix:RadixPrefixCache",
             description="radix tree over token ids: shared prompt prefixes reuse their KV, LRU eviction",
         )

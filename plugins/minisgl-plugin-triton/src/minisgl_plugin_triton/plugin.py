@@ -21,6 +21,7 @@ def minisgl_kernel_sets() -> list[KernelSetSpec]:
     return [
         KernelSetSpec(
             name="triton",
+            auto=True,
             factory="minisgl_plugin_triton.kernels:triton_kernels",
             is_supported="minisgl_plugin_triton.plugin:supported",
             description="fused RMSNorm (+ residual), q/k-norm + rope, SiLU x up, KV store, sampling (CUDA)",

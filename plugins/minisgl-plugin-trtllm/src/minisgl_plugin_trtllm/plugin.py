@@ -25,12 +25,14 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     return [
         AttentionBackendSpec(
             name="trtllm",
+            auto=True,
             factory="minisgl_plugin_trtllm.backend:build_trtllm_gen",
             is_supported="minisgl_plugin_trtllm.support:trtllm_gen_supported",
             description="TensorRT-LLM-gen paged prefill and decode via FlashInfer (compute capability 10.0/10.3)",
         ),
         AttentionBackendSpec(
             name="trtllm-xqa",
+            auto=True,
             factory="minisgl_plugin_trtllm.backend:build_xqa",
             aliases=("xqa",),
             is_supported="minisgl_plugin_trtllm.support:xqa_supported",

@@ -19,6 +19,7 @@ def minisgl_grammar_backends() -> list[GrammarBackendSpec]:
     return [
         GrammarBackendSpec(
             name="xgrammar",
+            auto=True,
             factory="minisgl_plugin_xgrammar.backend:XGrammarBackend",
             is_supported=is_supported,
             description="JSON, JSON schema, regex and EBNF grammars compiled and matched by xgrammar (CPU and CUDA)",

@@ -18,8 +18,8 @@ def is_supported(device: str) -> bool:
     return device in ("cpu", "cuda")
 
 
-# trylast: "--attn auto" tries this example after every other backend (after the built-ins too,
-# which are trylast and registered first); ask for it by name.
+# No auto=True in the spec: "--attn auto" never picks this example; ask for it by name (--attn hello).
+# trylast: were it ever made an auto candidate, it would still rank after every other backend.
 @hookimpl(trylast=True)
 def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
     return [
