@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..core import ValidationError
 from ..message import GenerateReq, TokenizerLimits
@@ -24,7 +24,7 @@ from ..utils import VERSION
 from ..utils.heap import loading_quietly
 from .client import EngineClient, ServerGone, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .router_api import RouterFields, add_router_routes
+from .router_api import RouterFields, add_router_routes, replay_body
 from .serving import APIError, ClientGone, Generation, Job, ResponseShape, collect, gone_error, stream_events
 from .settings import ServeSettings
 from .text_tools import TextTools, load_model_tokenizer
@@ -175,7 +175,7 @@ class RequestGuard:
                 problem = f"the request body is over {self.limit}"
                 return await _error(APIError(413, problem, code="request_too_large"))(scope, receive, send)
             more = message.get("more_body", False)
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        await self.app(scope, replay_body(b"".join(chunks), receive), send)
 
 
 def _content_type_problem(content_type: str | None) -> str | None:
@@ -195,20 +195,6 @@ def _content_type_problem(content_type: str | None) -> str | None:
         f"the request body is sent as Content-Type {shown!r}; this server reads JSON bodies only: send "
         "'Content-Type: application/json'"
     )
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that yields the body already read, then whatever the connection says next."""
-    given = False
-
-    async def replay() -> Message:
-        nonlocal given
-        if given:
-            return await receive()
-        given = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
 
 
 def create_app(

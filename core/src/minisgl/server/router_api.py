@@ -70,16 +70,21 @@ class RouterFields:
         body = drop_router_no_ops(b"".join(chunks))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        given = False
+        await self.app(scope, replay_body(body, receive), send)
 
-        async def replay() -> Message:
-            nonlocal given
-            if given:
-                return await receive()
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields the body already read, then whatever the connection says next."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def add_router_routes(app: FastAPI, model_name: str, info: dict[str, Any]) -> None:
