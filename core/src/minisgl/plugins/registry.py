@@ -110,9 +110,12 @@ class PluginRegistry:
         known = [n for e in self._table[kind].values() for n in (e.spec.name, *e.spec.aliases)]
         # Architectures share their suffix ("...ForCausalLM"): compare what precedes it, or every name looks close.
         stem = (lambda n: n.split("For", 1)[0]) if kind == "model" else (lambda n: n)
-        installed = {p.distribution for p in self.plugins}
-        if (hint := install_hint(kind, name)) and FIRST_PARTY[kind][name] not in installed:
+        installed = {p.distribution: p for p in self.plugins}
+        dist = FIRST_PARTY.get(kind, {}).get(name, "")
+        if (hint := install_hint(kind, name)) and dist not in installed:
             msg += f" {hint}."
+        elif dist in installed and (holder := installed[dist]).status != "active":
+            msg += f" '{name}' is provided by {dist}, which is installed but {holder.status}: {holder.error}."
         elif close := difflib.get_close_matches(stem(name), [stem(n) for n in known], n=1, cutoff=0.75):
             msg += f" Did you mean '{next(n for n in known if stem(n) == close[0])}'?"
         elif kind == "model":
