@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Batch
-from minisgl.testing.models import random_prompts, save_tiny_model
+from minisgl.testing.models import prefill_logits, random_prompts, save_tiny_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("minisgl_plugin_llama", reason="the GPU engine tests use the llama-family plugin's models")
@@ -77,27 +76,7 @@ class Reference:
 
 
 def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
-    """Logits at every position of each sequence, concatenated (one prefill batch): row ``k`` of
-    sequence ``i`` is at ``sum(len(s) for s in seqs[:i]) + k``.
-
-    The prefix cache is emptied first: a prefix it served would not be computed, and the batch
-    would return rows only for the rest (a radix cache holds every prompt ``llm`` generated from).
-    """
-    sched = llm.scheduler
-    sched.kv.reset_cache()
-    reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
-    for r in reqs:
-        assert sched.kv.try_admit(r)
-        assert r.cached_len == 0, f"the prefix cache served {r.cached_len} tokens of a {r.prompt_len}-token sequence"
-        r.device_len = r.prompt_len
-    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
-    for r in reqs:
-        sched.waiting.remove(r)
-        sched.kv.release(r)
-    positions = sum(len(s) for s in seqs)
-    assert logits.shape[0] == positions, f"{logits.shape[0]} rows of logits for {positions} positions"
-    return logits
+    return prefill_logits(llm, seqs)
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

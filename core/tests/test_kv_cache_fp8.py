@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Batch, ValidationError
-from minisgl.testing.models import random_prompts
+from minisgl.core import ValidationError
+from minisgl.testing.models import prefill_logits, random_prompts
 
 # Teacher-forced logits over an FP8 cache against the unquantized cache (float32 model): relative error of
 # the whole logits matrix, and top-1 agreement where the unquantized choice is decisive.
@@ -23,18 +23,7 @@ DECISIVE = 0.2  # top-1 minus top-2 logit, in standard deviations of the row
 
 
 def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
-    """Logits at every position of each sequence, in one prefill batch."""
-    sched = llm.scheduler
-    reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
-    for r in reqs:
-        assert sched.kv.try_admit(r)
-        r.device_len = r.prompt_len
-    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
-    for r in reqs:
-        sched.waiting.remove(r)
-        sched.kv.release(r)
-    return logits
+    return prefill_logits(llm, seqs)
 
 
 def _compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Batch
-from minisgl.testing.models import random_prompts, save_tiny_model
+from minisgl.testing.models import prefill_logits, random_prompts, save_tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -60,20 +59,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _logits(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
-    """Logits at every position of each sequence in one prefill batch (prefix cache emptied first)."""
-    sched = llm.scheduler
-    sched.kv.reset_cache()
-    reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
-    for r in reqs:
-        assert sched.kv.try_admit(r) and r.cached_len == 0
-        r.device_len = r.prompt_len
-    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
-    for r in reqs:
-        sched.waiting.remove(r)
-        sched.kv.release(r)
-    assert logits.shape[0] == sum(len(s) for s in seqs)
-    return logits
+    return prefill_logits(llm, seqs)
 
 
 @dataclass

@@ -78,3 +78,30 @@ def test_a_rank_that_dies_before_joining_fails_within_seconds(
     ):
         LLM(str(llama_dir), tp=2, device="cpu", page_size=4)
     assert time.monotonic() - start < 30
+
+
+def test_grammar_compiles_and_late_masks_are_decided_by_rank_0(tmp_path: Path) -> None:
+    """A grammar compiling while others decode, and a mask that rank 0 finds late: every rank queues and ends the
+    same requests at the same step, so tp=2 gives tp=1's tokens and finish reasons."""
+    pytest.importorskip("minisgl_plugin_llama")
+    from minisgl.testing.models import save_word_tokenizer
+
+    model = tmp_path / "m"
+    hf_model = save_tiny_model("LlamaForCausalLM", model)
+    save_word_tokenizer(model, hf_model.config.vocab_size)
+    plugin = Path(__file__).with_name("grammar_script_plugin.py")
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [11, 12, 13]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, grammar=("regex", "sleep:0.5")),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, grammar=("regex", "late:3")),
+    ]
+    runs = []
+    for tp in (1, 2):
+        kwargs = {"tp": tp, "device": "cpu", "page_size": 4, "plugin_paths": str(plugin), "grammar_mask_timeout": 0.05}
+        with LLM(str(model), **kwargs) as llm:  # type: ignore[arg-type]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.token_ids, o.finish_reason) for o in outs])
+    assert runs[1] == runs[0]
+    assert [reason for _, reason in runs[0]] == ["length", "length", "grammar_error"]
+    assert len(runs[0][2][0]) == 3 and set(runs[0][1][0]) <= set(range(3, 10))

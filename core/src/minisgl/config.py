@@ -34,6 +34,24 @@ class EngineFields(BaseModel):
     grammar_backend: str = Field(
         "auto", description="structured-output grammar backend (e.g. xgrammar); auto = best installed"
     )
+    grammar_compile_timeout: float = Field(
+        10.0,
+        ge=0,
+        description="seconds one request's grammar may take to compile (it compiles off the step loop); past "
+        "that the request is refused with a 400; 0 = no limit",
+    )
+    grammar_compile_memory: float = Field(
+        1024,
+        ge=0,
+        description="MiB of memory one grammar's compile may use (the backend compiles in a child process); past "
+        "that the request is refused with a 400; 0 = no limit (and no child process)",
+    )
+    grammar_mask_timeout: float = Field(
+        0.1,
+        ge=0,
+        description="seconds one request's grammar may take to compute its next-token mask in a step; past that "
+        "the request ends with finish_reason grammar_error, the others go on; 0 = no limit",
+    )
     quantization: str = Field(
         "auto",
         description="how linear weights are stored (e.g. none, fp8); auto = what the checkpoint's "

@@ -141,6 +141,7 @@ class SamplingParams:
 
 
 class ReqStatus(enum.Enum):
+    COMPILING = "compiling"  # its grammar is being compiled; queued once that is done
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

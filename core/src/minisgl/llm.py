@@ -50,7 +50,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+        for req in self.scheduler.live_requests():
             self.scheduler.abort(req.rid)
         self.scheduler.close()  # the step trace's last lines
         if self._ranks is not None:
@@ -92,6 +92,9 @@ class LLM:
                     ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
                 events = step_naming_dead_rank(sched, ranks)
                 bar.update(sum(1 for e in events if e.finished))
+                for _, error in sched.take_grammar_outcomes():
+                    if error is not None:  # its grammar did not compile: refused, as at add_request
+                        raise error
             bar.close()
         except BaseException:
             for r in reqs:

@@ -21,7 +21,7 @@ from minisgl.attention import AttentionContext, BaseAttnBackend, TorchAttnBacken
 from minisgl.core import Batch
 from minisgl.kvcache import MHAKVPool
 from minisgl.testing.attention import AttentionBackendConformance, AttentionHarness, AttnCase
-from minisgl.testing.models import random_prompts, save_tiny_model
+from minisgl.testing.models import prefill_logits, random_prompts, save_tiny_model
 
 
 def _kernels_missing() -> str | None:
@@ -172,16 +172,7 @@ def reference(tiny_model: Path, prompts: list[list[int]]) -> Iterator[Reference]
 
 def _reference_logits(llm: LLM, seq: list[int]) -> torch.Tensor:
     """Logits after ``seq`` from the reference engine: one fresh prefill, nothing sampled or cached."""
-    sched = llm.scheduler
-    sched.kv.reset_cache()
-    req = sched.add_request(seq, SamplingParams(max_tokens=1))
-    assert sched.kv.try_admit(req)
-    req.device_len = req.prompt_len
-    batch = Batch([req], "prefill", sample_mask=[True])
-    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
-    sched.waiting.remove(req)
-    sched.kv.release(req)
-    return logits[-1]
+    return prefill_logits(llm, [seq])[-1]
 
 
 def _assert_agrees(ref: Reference, tokens: list[list[int]], label: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import ValidationError
+from minisgl.core import ReqStatus, ValidationError
 from minisgl.scheduler import Scheduler
 from minisgl.testing.registry import registry_with_test_model
 
@@ -222,12 +222,22 @@ def test_bad_grammar_fails_that_request_only(llm: LLM, grammar: tuple[str, str],
     assert not sched.running and not sched.waiting and not sched._by_rid
     llm.check_accounting()
     assert llm.kv_pages_in_use == 0
-    # The server path: the refused request holds nothing, the good one still runs.
+    # The server path: the grammar compiles off the step loop and the request is refused from there; it holds
+    # nothing, the good one still runs. (A schema that is not JSON is refused before any compile, at once.)
     good = sched.add_request(llm.encode(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=4))
-    with pytest.raises(ValidationError):
-        sched.add_request(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=8, grammar=grammar))
+    outcomes = []
+    try:
+        bad = sched.add_request(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=8, grammar=grammar))
+    except ValidationError as exc:
+        assert exc.field == field and grammar[1] == "{not json"
+    else:
+        assert bad.status is ReqStatus.COMPILING
     while sched.has_work:
         sched.step()
+        outcomes += sched.take_grammar_outcomes()
+    if grammar[1] != "{not json":
+        assert [(r, e.field) for r, e in outcomes if e is not None] == [(bad, field)] and len(outcomes) == 1
+        assert bad.is_finished and not bad.output_ids
     assert good.finish_reason == "length" and len(good.output_ids) == 4
     assert not sched._by_rid
 

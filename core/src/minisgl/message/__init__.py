@@ -76,7 +76,8 @@ class RequestFailed:
 
 @dataclass
 class StepOutput:
-    """One scheduler iteration, for the detokenizer: ``rids[i]`` sampled ``tokens[i]``.
+    """One scheduler iteration, for the detokenizer: ``rids[i]`` sampled ``tokens[i]`` (-1: it ended without a
+    token, its grammar's mask having been late).
 
     ``finished``: ``[i, finish_reason, stop_token, cached_tokens]`` per event that ended its request
     (``stop_token``: an EOS or stop token id, whose text is not output). ``logprobs``: None when no event

@@ -9,6 +9,12 @@ running request is preempted: its pages go back (its computed prefix to the pref
 returns to the front of the queue, and on re-admission its prompt and output are computed again as one prefill (the
 last token's logits sample the next one), so greedy and seeded outputs are those of an unpreempted run.
 
+A request with a grammar whose compiled form is not cached waits in ``COMPILING`` while a thread of the
+scheduler's compiles it (one at a time), and joins the queue when that is done: a slow grammar delays only its
+own request. Whoever drives the scheduler learns which of them were queued or refused from
+:meth:`Scheduler.take_grammar_outcomes`. A constrained request whose mask is late (the backend's
+``mask_seconds``) ends with ``grammar_error`` instead of slowing the batch.
+
 With ``overlap_schedule`` batch N+1 is launched before N's tokens are read (decode feeds the token the engine
 kept on the device), so a request that stops in N may compute one discarded token in N+1. Requests whose
 sampling reads host-side history (penalties, logprobs) switch to lock-step while they run. A step that preempts
@@ -17,12 +23,14 @@ reads the batch in flight first.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import Batch, Req, ReqStatus, SamplingParams, TokenLogprob, ValidationError, prompt_problem
@@ -39,9 +47,18 @@ class TokenEvent:
     """One request's progress in one step: a new token, and whether it finished."""
 
     req: Req
-    token: int | None
+    token: int | None  # None: the request ended without a token (its grammar mask was late)
     logprob: TokenLogprob | None
     finished: bool
+
+
+@dataclass
+class _Compile:
+    """A grammar being compiled for ``req`` on the grammar thread."""
+
+    req: Req
+    future: Future[Any]
+    times: list[float] = field(default_factory=list)  # [started, ended] as the thread saw them (monotonic)
 
 
 class Scheduler:
@@ -79,6 +96,11 @@ class Scheduler:
         self._inflight: tuple[Batch, PendingStep] | None = None
         self._lockstep_reqs = 0  # live requests whose sampling reads host-side history
         self.grammar, self._no_grammar = make_grammar_backend(engine, tokenizer, self.eos_token_ids)
+        self._compiles: dict[int, _Compile] = {}
+        self._compile_thread: ThreadPoolExecutor | None = None
+        self._grammar_outcomes: list[tuple[Req, ValidationError | None]] = []
+        self._late: set[int] = set()  # requests whose mask in the batch in flight was late
+        self.replays = False  # a tensor-parallel follower: rank 0 says when a compiled request is queued
         self._clock: StepClock | None = None  # the step being traced
         self.trace: StepTrace | None = None
         if cfg.trace_steps and engine.tp.rank == 0:
@@ -126,19 +148,115 @@ class Scheduler:
         bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
             raise ValidationError("logit_bias", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if _needs_lockstep(req):
+            self._lockstep_reqs += 1
+        self._by_rid[req.rid] = req
         if params.grammar is not None:
             kind, text = params.grammar
             if self.grammar is None:
+                del self._by_rid[req.rid]
+                self._lockstep_reqs -= int(_needs_lockstep(req))
                 raise ValidationError(error_field(kind), self._no_grammar)
-            t0 = time.perf_counter()
-            req.matcher = self.grammar.matcher(self.grammar.compile(kind, text))
-            if self.trace is not None:
-                self.trace.note(f"grammar_compile:{(time.perf_counter() - t0) * 1000:.1f}ms")
-        self._by_rid[req.rid] = req
+            compiled = self.grammar.cached(kind, text)
+            if compiled is None or self.replays:  # a follower queues it when rank 0 says so
+                req.status = ReqStatus.COMPILING
+                if compiled is None:
+                    self._compiles[req.rid] = self._submit_compile(req, kind, text)
+                else:
+                    done: Future[Any] = Future()
+                    done.set_result(compiled)
+                    self._compiles[req.rid] = _Compile(req, done)
+                return req
+            req.matcher = self.grammar.matcher(compiled)
         self.waiting.append(req)
-        if _needs_lockstep(req):
-            self._lockstep_reqs += 1
         return req
+
+    def _submit_compile(self, req: Req, kind: str, text: str) -> _Compile:
+        assert self.grammar is not None
+        backend = self.grammar
+        if self._compile_thread is None:
+            self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        times: list[float] = []
+
+        def run() -> Any:
+            times.append(time.monotonic())
+            try:
+                return backend.compile(kind, text)
+            finally:
+                times.append(time.monotonic())
+
+        return _Compile(req, self._compile_thread.submit(run), times)
+
+    def take_grammar_outcomes(self) -> list[tuple[Req, ValidationError | None]]:
+        """Requests that left ``COMPILING`` since the last call: ``(req, None)`` queued, ``(req, error)`` refused
+        (it is gone; ``error`` says why, against the request field that sent the grammar)."""
+        out, self._grammar_outcomes = self._grammar_outcomes, []
+        return out
+
+    def _collect_compiles(self, wait: float = 0.0) -> None:
+        """Queue the requests whose grammar compiled, refuse those that failed or ran past the time limit;
+        with ``wait``, first wait up to that long for one to finish."""
+        if not self._compiles:
+            return
+        if wait > 0:
+            concurrent.futures.wait(
+                [c.future for c in self._compiles.values()], timeout=wait, return_when="FIRST_COMPLETED"
+            )
+        assert self.grammar is not None
+        limit = None if self.grammar.enforces_compile_limits else self.grammar.limits.compile_seconds
+        now = time.monotonic()
+        for rid, c in list(self._compiles.items()):
+            req = c.req
+            kind = req.params.grammar[0] if req.params.grammar is not None else "grammar"
+            if c.future.done():
+                del self._compiles[rid]
+                try:
+                    compiled = c.future.result()
+                except ValidationError as exc:
+                    self._refuse(req, exc)
+                    continue
+                except Exception as exc:  # a backend's own failure: this request's, not the server's
+                    logger.exception("request %s: compiling its grammar failed", rid)
+                    self._refuse(req, ValidationError(error_field(kind), f"compiling the grammar failed: {exc}"))
+                    continue
+                if self.trace is not None and len(c.times) == 2:
+                    self.trace.note(f"grammar_compile:{(c.times[1] - c.times[0]) * 1000:.1f}ms")
+                req.matcher = self.grammar.matcher(compiled)
+                req.status = ReqStatus.WAITING
+                self.waiting.append(req)
+                self._grammar_outcomes.append((req, None))
+                self._grammar_queued(req)
+            elif limit is not None and c.times and now - c.times[0] > limit + 1.0:
+                # The backend did not stop at its limit: give up on it (the thread finishes on its own).
+                del self._compiles[rid]
+                why = f"compiling the grammar took longer than {limit:g} s (--grammar-compile-timeout); make it smaller"
+                self._refuse(req, ValidationError(error_field(kind), why))
+
+    def _refuse(self, req: Req, exc: ValidationError) -> None:
+        self._by_rid.pop(req.rid, None)
+        if _needs_lockstep(req):
+            self._lockstep_reqs -= 1
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = "refused"
+        self._grammar_outcomes.append((req, exc))
+        self._grammar_refused(req)
+
+    def _grammar_queued(self, req: Req) -> None:
+        """Hook: ``req``'s grammar compiled and it joined the queue (rank 0 tells the other ranks)."""
+
+    def _grammar_refused(self, req: Req) -> None:
+        """Hook: ``req`` was refused after its grammar failed to compile (rank 0 tells the other ranks)."""
+
+    def queue_compiled(self, rid: int) -> None:
+        """A follower: queue request ``rid`` now, as rank 0 did, once its own compile is done (waiting for it)."""
+        c = self._compiles.pop(rid, None)
+        if c is None:
+            return
+        compiled = c.future.result()  # rank 0 compiled the same grammar; a failure here is this rank's
+        assert self.grammar is not None
+        c.req.matcher = self.grammar.matcher(compiled)
+        c.req.status = ReqStatus.WAITING
+        self.waiting.append(c.req)
 
     def abort(self, rid: int, reason: str = "abort") -> Req | None:
         """Finish request ``rid`` now (with ``reason``), returning its pages. None if unknown or done."""
@@ -150,7 +268,15 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight is not None)
+        return bool(self.waiting or self.running or self._inflight is not None or self._compiles)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiles)
+
+    def live_requests(self) -> list[Req]:
+        """Every request not finished: compiling, waiting or running."""
+        return list(self._by_rid.values())
 
     @property
     def num_running(self) -> int:
@@ -162,7 +288,13 @@ class Scheduler:
 
     def step(self) -> list[TokenEvent]:
         """Run one batch (see the module docstring for what it holds). The events of the batch whose tokens
-        arrived (with overlap, the previous one)."""
+        arrived (with overlap, the previous one). With only grammars compiling, waits a little for one."""
+        if not self.replays:
+            idle = not (self.waiting or self.running or self._inflight is not None)
+            self._collect_compiles(wait=0.02 if idle else 0.0)
+        return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         trace = self.trace
         self._clock = trace.begin() if trace is not None else None
         lockstep = not self.overlap or self._lockstep_reqs > 0
@@ -192,10 +324,16 @@ class Scheduler:
         return events
 
     def close(self) -> None:
-        """Finish the step trace (if any): its last lines are written and the file closed."""
+        """Finish the step trace (if any): its last lines are written and the file closed; stop the grammar
+        thread and the backend's own helpers."""
         if self.trace is not None:
             self.trace.close()
             self.trace = None
+        if self._compile_thread is not None:
+            self._compile_thread.shutdown(wait=False, cancel_futures=True)
+            self._compile_thread = None
+        if self.grammar is not None:
+            self.grammar.close()
 
     def _trace_fields(self, batch: Batch) -> dict[str, Any]:
         """The step's composition and gauges for its trace line (before its launch)."""
@@ -255,7 +393,21 @@ class Scheduler:
             return None
         sampling = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
         rows = [(i, r.matcher) for i, r in enumerate(sampling) if r.matcher is not None]
-        return self.grammar.fill(rows, len(sampling))
+        mask = self.grammar.fill(rows, len(sampling))
+        if mask is not None and mask.late:
+            budget = self.grammar.limits.mask_seconds
+            for row in mask.late:
+                req = sampling[row]
+                logger.warning(
+                    "request %s: its grammar took longer than %g s (--grammar-mask-timeout) for one token's mask; "
+                    "ending it with grammar_error",
+                    req.rid,
+                    budget,
+                )
+                self._late.add(req.rid)
+            if not mask.rows:
+                return None  # only late rows: nothing to apply
+        return mask
 
     def _drain(self) -> list[TokenEvent]:
         """Process the batch in flight, if any."""
@@ -388,6 +540,12 @@ class Scheduler:
             token, lp = next(it)
             if req.is_finished:  # aborted while the batch ran
                 continue
+            if self._late and req.rid in self._late:
+                self._late.discard(req.rid)
+                req.matcher = None  # its fill may still be running: never used again
+                if self._end_late(req):
+                    events.append(TokenEvent(req, None, None, True))
+                continue
             req.output_ids.append(token)
             if req.matcher is not None and not req.matcher.accept_token(token):
                 # With the mask applied, only when the grammar allows no token at all (no string satisfies it).
@@ -401,6 +559,11 @@ class Scheduler:
                 self._finish(req, reason)
             events.append(TokenEvent(req, token, lp, req.is_finished))
         return events
+
+    def _end_late(self, req: Req) -> bool:
+        """End ``req``, whose mask was late (what was sampled for it is discarded); whether it ended now."""
+        self._finish(req, "grammar_error")
+        return True
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         if req.params.grammar is not None and req.matcher is None:
@@ -420,13 +583,16 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: str) -> None:
         """Take ``req`` off its queue (returning its pages if it ran) and mark it finished."""
-        if req.status is ReqStatus.WAITING:
+        if req.status is ReqStatus.COMPILING:
+            self._compiles.pop(req.rid, None)  # its compile finishes on its own; the result is dropped
+        elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
             self.kv.release(req)
         if _needs_lockstep(req):
             self._lockstep_reqs -= 1
+        self._late.discard(req.rid)
         req.matcher = None
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason

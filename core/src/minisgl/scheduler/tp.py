@@ -8,6 +8,7 @@ so batches, pages and sampling are identical and the collectives line up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from ..config import EngineConfig
-from ..core import Req, SamplingParams
+from ..core import Req, ReqStatus, SamplingParams
 from ..distributed.group import ControlChannel, TPGroup, free_port, join_group
 from ..engine import Engine
 from ..models import eos_token_ids, load_tokenizer
@@ -45,10 +46,13 @@ class ReplicatedScheduler(Scheduler):
         super().__init__(engine, **kwargs)
         self.control = control
         self._pending: list[list[Any]] = []
+        self._late_ends: list[Req] = []
 
     def add_request(self, input_ids: Sequence[int], params: SamplingParams, rid: int | None = None) -> Req:
         req = super().add_request(input_ids, params, rid)  # validation errors stop here, unmirrored
-        self._pending.append(["add", req.rid, req.input_ids, params.to_dict()])
+        # Whether it was queued at once (its grammar cached here): then the others queue it at once too.
+        queued = req.status is not ReqStatus.COMPILING
+        self._pending.append(["add", req.rid, req.input_ids, params.to_dict(), queued])
         return req
 
     def abort(self, rid: int, reason: str = "abort") -> Req | None:
@@ -57,11 +61,29 @@ class ReplicatedScheduler(Scheduler):
             self._pending.append(["abort", rid])
         return req
 
+    def _grammar_queued(self, req: Req) -> None:
+        self._pending.append(["ready", req.rid])
+
+    def _grammar_refused(self, req: Req) -> None:
+        self._pending.append(["abort", req.rid])
+
+    def _end_late(self, req: Req) -> bool:
+        # Ended before the next step, on every rank at once (the others' masks were not late).
+        self._late_ends.append(req)
+        return False
+
     def step(self) -> list[TokenEvent]:
+        events = []
+        for req in self._late_ends:
+            if self.abort(req.rid, "grammar_error") is not None:
+                events.append(TokenEvent(req, None, None, True))
+        self._late_ends = []
+        idle = not (self.waiting or self.running or self._inflight is not None)
+        self._collect_compiles(wait=0.02 if idle else 0.0)  # its outcomes are mirrored with this step
         self._pending.append(["step"])
         self.control.broadcast(msgpack.packb(self._pending))
         self._pending = []
-        return super().step()
+        return events + self._step()
 
     def stop(self) -> None:
         """Tell the other ranks to leave their loops (pending adds/aborts go first); call it once."""
@@ -70,12 +92,20 @@ class ReplicatedScheduler(Scheduler):
 
 
 def follow(scheduler: Scheduler, control: ControlChannel) -> None:
-    """A non-zero rank's loop: replay rank 0's calls until it says stop."""
+    """A non-zero rank's loop: replay rank 0's calls until it says stop. Rank 0 decides when a compiled request
+    is queued and which masks were late; this rank's own grammar timings play no part."""
+    scheduler.replays = True
+    if scheduler.grammar is not None:
+        scheduler.grammar.limits = dataclasses.replace(scheduler.grammar.limits, mask_seconds=None)
     while True:
         for msg in msgpack.unpackb(control.broadcast(), strict_map_key=False):
             kind = msg[0]
             if kind == "add":
                 scheduler.add_request(msg[2], SamplingParams.from_dict(msg[3]), rid=msg[1])
+                if msg[4]:
+                    scheduler.queue_compiled(msg[1])
+            elif kind == "ready":
+                scheduler.queue_compiled(msg[1])
             elif kind == "abort":
                 scheduler.abort(msg[1])
             elif kind == "step":

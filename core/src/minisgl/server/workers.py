@@ -321,13 +321,18 @@ def _serve(
                 ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
         out = StepOutput()
         if poller.poll(0 if sched.has_work else 200):
-            _take(sched, recv_all(inbox), out)
+            progress.step_started = time.monotonic()  # busy: what the loop does outside a step counts too
+            try:
+                _take(sched, recv_all(inbox), out)
+            finally:
+                progress.step_started = None
         if sched.has_work:
             progress.step_started = time.monotonic()
             try:
                 events = step_naming_dead_rank(sched, ranks)
             finally:
                 progress.step_started = None
+            _grammar_outcomes(sched, out)
             if events:
                 _add_events(out, events)
         progress.refresh()
@@ -337,7 +342,7 @@ def _serve(
 
 def _take(sched: Any, messages: list[Any], out: StepOutput) -> None:
     """Queue new requests, abort and stop others; record the outcome in ``out``."""
-    from ..core import SamplingParams, ValidationError
+    from ..core import ReqStatus, SamplingParams, ValidationError
 
     for msg in messages:
         if isinstance(msg, TokenizedReq):
@@ -346,10 +351,8 @@ def _take(sched: Any, messages: list[Any], out: StepOutput) -> None:
             except ValidationError as exc:
                 out.failed.append([msg.rid, exc.field, exc.message])
             else:
-                p = req.params
-                out.accepted.append(
-                    [req.rid, req.prompt_len, list(p.stop_strings), p.skip_special_tokens, p.logprobs is not None]
-                )
+                if req.status is not ReqStatus.COMPILING:  # else accepted once its grammar compiled
+                    _accepted(req, out)
         elif isinstance(msg, AbortReq):
             if sched.abort(msg.rid) is not None:
                 out.dropped.append(msg.rid)
@@ -357,12 +360,26 @@ def _take(sched: Any, messages: list[Any], out: StepOutput) -> None:
             sched.abort(msg.rid, "stop")  # the detokenizer already finished it
 
 
+def _accepted(req: Any, out: StepOutput) -> None:
+    p = req.params
+    out.accepted.append([req.rid, req.prompt_len, list(p.stop_strings), p.skip_special_tokens, p.logprobs is not None])
+
+
+def _grammar_outcomes(sched: Any, out: StepOutput) -> None:
+    """Requests whose grammar compiled (now accepted) or was refused (a 400 on the field that sent it)."""
+    for req, exc in sched.take_grammar_outcomes():
+        if exc is None:
+            _accepted(req, out)
+        else:
+            out.failed.append([req.rid, exc.field, exc.message])
+
+
 def _add_events(out: StepOutput, events: list[Any]) -> None:
     """The step's token events, as columns (``logprobs`` stays None when no event has any)."""
     logprobs: list[Any] = []
     for i, ev in enumerate(events):
         req = ev.req
-        token = int(ev.token)
+        token = -1 if ev.token is None else int(ev.token)  # -1: it ended without a token
         out.rids.append(req.rid)
         out.tokens.append(token)
         if ev.finished:

@@ -45,6 +45,7 @@ import torch
 
 from ..core import SamplingParams, TokenLogprob
 from ..plugins import PluginRegistry, load_plugins
+from . import models
 from .kv_pool import skip_without_device
 from .models import hf_logprobs, random_prompts, save_tiny_model, tiny_config
 
@@ -52,19 +53,7 @@ from .models import hf_logprobs, random_prompts, save_tiny_model, tiny_config
 def prefill_logits(llm: Any, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
     """Float32 logits (on the CPU) at every position of ``prompts``, run as one prefill batch of ``llm``
     (a :class:`minisgl.LLM` with nothing running); the batch's KV pages are freed again."""
-    from ..core import Batch
-
-    sched = llm.scheduler
-    reqs = [sched.add_request(list(p), SamplingParams(max_tokens=1)) for p in prompts]
-    for r in reqs:
-        assert sched.kv.try_admit(r)
-        r.device_len = r.prompt_len
-    batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
-    logits = llm.engine.prefill_logits(batch, sched._prepare(batch)).float().cpu()
-    for r in reqs:
-        sched.waiting.remove(r)
-        sched.kv.release(r)
-    return logits
+    return models.prefill_logits(llm, [list(p) for p in prompts]).cpu()
 
 
 @dataclass

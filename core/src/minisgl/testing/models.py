@@ -197,3 +197,35 @@ def save_word_tokenizer(path: str | Path, vocab_size: int) -> Any:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(path))
     return fast
+
+
+def prefill_logits(llm: Any, seqs: list[list[int]]) -> torch.Tensor:
+    """Logits (float32) at every position of each sequence, concatenated, from one prefill batch of ``llm``: row
+    ``k`` of sequence ``i`` is at ``sum(len(s) for s in seqs[:i]) + k``. Nothing is sampled or kept: the prefix
+    cache is emptied first (a prefix it served would not be computed), and every page goes back after."""
+    from ..core import Batch, SamplingParams
+
+    sched = llm.scheduler
+    sched.kv.reset_cache()
+    reqs = [sched.add_request(s, SamplingParams(max_tokens=1)) for s in seqs]
+    admitted = []
+    try:
+        for r in reqs:
+            if not sched.kv.try_admit(r):
+                raise RuntimeError(f"the KV cache cannot hold these {len(seqs)} sequences at once")
+            admitted.append(r)
+            assert r.cached_len == 0, (
+                f"the prefix cache served {r.cached_len} tokens of a {r.prompt_len}-token sequence"
+            )
+            r.device_len = r.prompt_len
+        batch = Batch(reqs, "prefill", sample_mask=[True] * len(reqs))
+        logits: torch.Tensor = llm.engine.prefill_logits(batch, sched._prepare(batch)).float()
+    finally:
+        for r in admitted:
+            sched.kv.release(r)
+        for r in reqs:  # queued, never run: taken off the queue, the scheduler forgets them
+            sched.waiting.remove(r)
+            sched._by_rid.pop(r.rid, None)
+    positions = sum(len(s) for s in seqs)
+    assert logits.shape[0] == positions, f"{logits.shape[0]} rows of logits for {positions} positions"
+    return logits

@@ -42,13 +42,14 @@ class DetokenizerService:
             live = live_map.get(rid)
             if live is None:  # aborted, or already finished by a stop string
                 continue
-            live.completion_tokens += 1
             end = ends.get(i)
+            if token >= 0:
+                live.completion_tokens += 1
             reason: str | None = None
             text = ""
             detok = live.detok
             if detok is not None:
-                if end is not None and end[2]:  # ended on a stop token: its own text is not output
+                if token < 0 or (end is not None and end[2]):  # no token, or a stop token: no text of its own
                     text = detok.finish()
                 else:
                     text = detok.push(token, final=end is not None)

@@ -1,11 +1,21 @@
 """The ``xgrammar`` grammar backend: grammars compiled by xgrammar into a bounded LRU cache, one matcher per
-request, and each step's bitmask of the constrained rows filled on the host and copied to the device."""
+request, and each step's bitmask of the constrained rows filled on the host (in parallel, each row within the mask
+budget) and copied to the device.
+
+With compile limits set (the scheduler sets them from ``--grammar-compile-timeout`` and
+``--grammar-compile-memory``), a grammar is compiled in a child process that is killed past either limit
+(:mod:`.compile_process`); without, in this process.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -14,11 +24,11 @@ import xgrammar
 from minisgl.core import ValidationError
 from minisgl.engine.grammar import BaseGrammarBackend, TokenMask, error_field
 
+from .compile_process import CompileLimitError, CompileProcess, CompileRefused
+from .grammars import COMPACT, KIND_NAMES, compile_grammar
 from .schema import schema_problem
 
-# Replies are compact JSON: no whitespace, not even xgrammar's default ", " and ": " separators.
-COMPACT = {"any_whitespace": False, "separators": (",", ":")}
-KIND_NAMES = {"json": "json", "json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
+__all__ = ["COMPACT", "KIND_NAMES", "XGrammarBackend", "XGrammarMask"]
 
 
 class XGrammarMask(TokenMask):
@@ -37,6 +47,7 @@ class XGrammarBackend(BaseGrammarBackend):
     """
 
     cache_size = 64  # compiled grammars kept
+    enforces_compile_limits = True  # the compile process is killed at the limits
 
     def __init__(
         self,
@@ -53,50 +64,91 @@ class XGrammarBackend(BaseGrammarBackend):
         self.stop_token_ids = list(stop_token_ids)
         self.max_rows = max_rows
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._compiler: Any = None  # built on the first grammar request (the tokenizer scan takes a moment)
+        self._cache_lock = threading.Lock()  # compile runs on the scheduler's grammar thread, cached() on its own
+        self._info: Any = None  # built on the first compile (the tokenizer scan takes a moment)
+        self._compiler: Any = None
+        self._process: CompileProcess | None = None
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # fills masks in parallel
+        self._threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+    def _tokenizer_info(self) -> Any:
+        if self._info is None:
+            self._info = xgrammar.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+            )
+        return self._info
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
-            )
             # Our own LRU below is the cache (bounded by entries); xgrammar's is off.
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=8, cache_enabled=False)
+            self._compiler = xgrammar.GrammarCompiler(
+                self._tokenizer_info(), max_threads=self._threads, cache_enabled=False
+            )
         return self._compiler
+
+    @staticmethod
+    def _key(kind: str, text: str) -> tuple[str, str]:
+        return (kind, "" if kind == "json" else text)
+
+    def cached(self, kind: str, text: str) -> Any:
+        with self._cache_lock:
+            hit = self._cache.get(self._key(kind, text))
+            if hit is not None:
+                self._cache.move_to_end(self._key(kind, text))
+            return hit
 
     def compile(self, kind: str, text: str) -> Any:
         field = error_field(kind)
-        key = (kind, "" if kind == "json" else text)
-        hit = self._cache.get(key)
+        hit = self.cached(kind, text)
         if hit is not None:
-            self._cache.move_to_end(key)
             return hit
         if kind not in KIND_NAMES:
             raise ValidationError("grammar", f"unknown grammar kind {kind!r}")
         if kind == "json_schema":
             self._check_schema(text)
-        compiler = self._get_compiler()
         try:
-            if kind == "json":
-                # Any JSON object, compact: free whitespace lets a small model pad forever.
-                compiled = compiler.compile_json_schema('{"type": "object"}', **COMPACT)
-            elif kind == "json_schema":
-                compiled = compiler.compile_json_schema(text, strict_mode=True, **COMPACT)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(text)
-            else:
-                compiled = compiler.compile_grammar(text)
-        except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError/its own errors
-            why = str(exc).strip() or type(exc).__name__
-            raise ValidationError(field, f"invalid {KIND_NAMES[kind]}: {why}") from exc
+            compiled = self._compile_bounded(kind, text)
+        except CompileLimitError as exc:
+            raise ValidationError(field, self._limit_message(kind, str(exc))) from None
+        except CompileRefused as exc:
+            raise ValidationError(field, f"invalid {KIND_NAMES[kind]}: {exc}") from None
         if self._admits_nothing(compiled):
             raise ValidationError(field, f"no string satisfies this {KIND_NAMES[kind]}: it allows no first token")
-        self._cache[key] = compiled
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[self._key(kind, text)] = compiled
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return compiled
+
+    def _compile_bounded(self, kind: str, text: str) -> Any:
+        """Compiled in the child process when a limit is set, else here; CompileRefused for a bad grammar."""
+        limits = self.limits
+        if limits.compile_seconds is None and limits.compile_memory_bytes is None:
+            try:
+                return compile_grammar(self._get_compiler(), kind, text)
+            except Exception as exc:  # xgrammar reports bad input as RuntimeError/ValueError/its own errors
+                raise CompileRefused(str(exc).strip() or type(exc).__name__) from exc
+        if self._process is None:
+            self._process = CompileProcess(self._tokenizer_info().serialize_json(), self._threads)
+        seconds = limits.compile_seconds if limits.compile_seconds is not None else float("inf")
+        serialized = self._process.compile(kind, text, seconds, limits.compile_memory_bytes)
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._tokenizer_info())
+
+    def _limit_message(self, kind: str, which: str) -> str:
+        limits = self.limits
+        if which == "memory":
+            assert limits.compile_memory_bytes is not None
+            spent = f"needed more than {limits.compile_memory_bytes / 2**20:.0f} MiB"
+            flag = "--grammar-compile-memory"
+        else:
+            spent = f"took longer than {limits.compile_seconds:g} s"
+            flag = "--grammar-compile-timeout"
+        return (
+            f"compiling this {KIND_NAMES[kind]} {spent} (the server's limit, {flag}); make it smaller: fewer "
+            "or smaller bounded repetitions ({m,n}, maxLength, maxItems), less nesting, fewer alternatives"
+        )
 
     def _admits_nothing(self, compiled: Any) -> bool:
         """Whether a fresh matcher of ``compiled`` allows no token at all (stop tokens included)."""
@@ -124,7 +176,8 @@ class XGrammarBackend(BaseGrammarBackend):
 
     def fill(self, matchers: Sequence[tuple[int, Any]], n: int) -> TokenMask | None:
         """The host buffer is reused: the caller waits for the last step that used it (the scheduler reads a
-        constrained step's tokens before it fills the next mask)."""
+        constrained step's tokens before it fills the next mask). A row given up on (``late``) may still be
+        written by its fill, so the buffer is replaced then."""
         if not matchers:
             return None
         if self._host is None or self._dev is None:
@@ -132,8 +185,59 @@ class XGrammarBackend(BaseGrammarBackend):
             self._host = host.pin_memory() if self.device.type == "cuda" else host
             self._dev = self._host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
         host, dev = self._host, self._dev
-        for row, m in matchers:
-            m.fill_next_token_bitmask(host, row)
+        budget = self.limits.mask_seconds
+        late = self._fill_rows(host, matchers, budget) if budget is not None else self._fill_all(host, matchers)
+        if late:
+            self._host = None  # a late fill may still write its row: the next step takes a fresh buffer
+            if dev is host:
+                self._dev = None
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
-        return XGrammarMask(dev[:n], [row for row, _ in matchers])
+        return XGrammarMask(dev[:n], [row for row, _ in matchers if row not in late], late=sorted(late))
+
+    def _fill_all(self, host: torch.Tensor, matchers: Sequence[tuple[int, Any]]) -> set[int]:
+        if len(matchers) == 1:
+            row, m = matchers[0]
+            m.fill_next_token_bitmask(host, row)
+        else:  # xgrammar releases the GIL while it fills: rows in parallel
+            for f in [self._get_pool().submit(m.fill_next_token_bitmask, host, row) for row, m in matchers]:
+                f.result()
+        return set()
+
+    def _fill_rows(self, host: torch.Tensor, matchers: Sequence[tuple[int, Any]], budget: float) -> set[int]:
+        """Fill every row in parallel; the rows whose own fill has run longer than ``budget`` are given up on."""
+        started: dict[int, float] = {}
+
+        def job(row: int, m: Any) -> None:
+            started[row] = time.monotonic()
+            m.fill_next_token_bitmask(host, row)
+
+        pool = self._get_pool()
+        pending: dict[Future[None], int] = {pool.submit(job, row, m): row for row, m in matchers}
+        late: set[int] = set()
+        while pending:
+            now = time.monotonic()
+            for f, row in list(pending.items()):
+                if f.done():
+                    f.result()
+                    del pending[f]
+                elif row in started and now - started[row] > budget:
+                    late.add(row)
+                    del pending[f]
+            if pending:
+                running = [started[row] for row in pending.values() if row in started]
+                timeout = max(min(running, default=now) + budget - now, 0.0) + 0.001
+                wait(list(pending), timeout=timeout)
+        return late
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="grammar-mask")
+        return self._pool
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
