@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "--max-model-len", "1024",
         "--num-pages", "256",
         "--served-model-name", MODEL,
+        "--grammar-compile-timeout", "3",
     )  # fmt: skip
     try:
         yield srv.wait_ready()
@@ -278,3 +280,67 @@ def test_an_unenforced_schema_keyword_is_400_naming_it(client: Any) -> None:
     remote = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"$ref": "https://example.com/s.json"}}}
     with pytest.raises(bad, match="remote schemas are never fetched"):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, response_format=remote)
+
+
+def test_a_slow_grammar_is_a_400_at_its_limit_and_the_streams_go_on(server: Server) -> None:
+    """A 60-byte schema that would compile for many seconds: refused at the server's limit (3 s here) while another
+    stream keeps receiving tokens and /health stays 200; it leaves nothing behind."""
+    import threading
+
+    import httpx
+
+    chunks: list[float] = []
+    stream_body = {"model": MODEL, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=stream_body, timeout=300) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(time.monotonic())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not chunks:
+        time.sleep(0.05)
+    slow = {
+        "type": "json_schema",
+        "json_schema": {"name": "s", "schema": {"type": "string", "pattern": "[a-z]{1,12000}"}},
+    }
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "response_format": slow}
+    sent = time.monotonic()
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    answered = time.monotonic()
+    health = httpx.get(server.url + "/health", timeout=10).status_code
+    reader.join()
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "response_format" and "took longer than 3 s" in error["message"]
+    assert sum(1 for t in chunks if sent < t < answered) >= 10  # the other stream went on meanwhile
+    assert health == 200
+    idle = ("minisgl_num_requests_running 0.0", "minisgl_num_requests_compiling 0.0", "minisgl_kv_pages_used 0.0")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        if all(line in metrics for line in idle):
+            break
+        time.sleep(0.2)
+    assert all(line in metrics for line in idle), metrics
+
+
+def test_a_grammar_whose_masks_get_slow_ends_with_grammar_error(server: Server) -> None:
+    """An ambiguous grammar's masks grow slower with each character: the reply ends with grammar_error at the mask
+    budget instead of slowing every stream (end-of-text banned, so only the grammar can end it early)."""
+    import httpx
+
+    body = {
+        "model": MODEL,
+        "prompt": "Letters:",
+        "max_tokens": 1000,
+        "ebnf": 'root ::= s\ns ::= s s s s | s s s | s s | "a" | "b" | ""',
+        "logit_bias": {"0": -100, "1": -100, "2": -100},
+    }
+    resp = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "grammar_error"
+    assert set(choice["text"]) <= {"a", "b"} and 0 < resp.json()["usage"]["completion_tokens"] < 1000

@@ -47,7 +47,7 @@ class EngineFields(BaseModel):
         "that the request is refused with a 400; 0 = no limit (and no child process)",
     )
     grammar_mask_timeout: float = Field(
-        0.1,
+        0.25,
         ge=0,
         description="seconds one request's grammar may take to compute its next-token mask in a step; past that "
         "the request ends with finish_reason grammar_error, the others go on; 0 = no limit",

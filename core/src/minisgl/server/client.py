@@ -30,6 +30,9 @@ class ServerMetrics:
         self.gauges = {  # heartbeat state key -> gauge
             "running": Gauge("minisgl_num_requests_running", "Requests being decoded", registry=r),
             "waiting": Gauge("minisgl_num_requests_waiting", "Requests queued for admission", registry=r),
+            "compiling": Gauge(
+                "minisgl_num_requests_compiling", "Requests waiting for their grammar to compile", registry=r
+            ),
             "kv_pages_used": Gauge("minisgl_kv_pages_used", "KV cache pages owned by live requests", registry=r),
             "kv_pages_cached": Gauge("minisgl_kv_pages_cached", "KV cache pages held by the prefix cache", registry=r),
             "kv_pages_total": Gauge("minisgl_kv_pages_total", "Usable KV cache pages", registry=r),

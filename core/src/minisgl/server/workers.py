@@ -238,6 +238,7 @@ class _Progress:
         self.state = {
             "running": self.sched.num_running,
             "waiting": self.sched.num_waiting,
+            "compiling": self.sched.num_compiling,
             "kv_pages_used": int(kv.used_pages) - cached,
             "kv_pages_cached": cached,
             "kv_pages_total": int(kv.usable_pages),
