@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": ("minisgl_bench.offline", "offline throughput (GPU protocol workload, or --workload cpu)"),
     "shared-prefix": ("minisgl_bench.shared_prefix", "prefix-cache benchmark: prompts sharing long prefixes"),
     "serve": ("minisgl_bench.serve", "online serving: a streaming client for any OpenAI-compatible server"),
+    "steps": ("minisgl_bench.steps_report", "where a server's step time went, per run (from --trace-steps)"),
     "plot": (
         "minisgl_bench.serve_plot",
         "plot bench serve results: throughput vs TTFT, a rate sweep, a run's timeline",

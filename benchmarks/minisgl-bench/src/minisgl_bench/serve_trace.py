@@ -3,13 +3,14 @@
 The trace is JSON Lines: a header (``"trace": "minisgl-steps"``), then one object per
 scheduler step (``t`` in unix seconds, ``reqs``, ``prefill_reqs``, ``decode_reqs``,
 ``running``, ``waiting``, ``gap_ms``, ``gpu_ms``, ...). Unknown keys are ignored, and so is
-a last line cut short (a server stopped mid-write). ``timeline`` puts the steps and the
+a last line cut short (a server stopped mid-write); a ``.gz`` file is read as gzip. ``timeline`` puts the steps and the
 record's requests on one clock: seconds since the first run began. Nothing here needs
 matplotlib.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,11 @@ TRACE_NAME = "minisgl-steps"
 
 def read_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The header and the steps of a step trace; raises ValueError naming what is wrong with the file."""
-    lines = path.read_text().splitlines()
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            lines = f.read().splitlines()
+    else:
+        lines = path.read_text().splitlines()
     if not lines:
         raise ValueError(f"{path}: empty; expected a step trace (minisgl serve --trace-steps FILE)")
     try:
