@@ -11,8 +11,6 @@ set -uo pipefail
 export LIMIT=${LIMIT:-560}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# Leftovers of an earlier call on this host, by PID: servers, replicas, routers.
-for pid in $(pgrep -f "minisgl serve|sglang_router.launch_router" || true); do kill -9 "$pid" 2>/dev/null; done
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 python3 -c "import sglang_router, setproctitle; print('sglang-router', sglang_router.__version__)" | tee -a "$OUT/log.txt" \

@@ -10,9 +10,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
-  $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
-PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"
+use_peer
 CONFIGS=benchmarks/minisgl-bench/src/minisgl_bench/configs
 for shape in qwen3-8b llama-3.1-8b; do  # the peer reads a model folder: this shape's config and the tokenizer
   mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json

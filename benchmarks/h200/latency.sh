@@ -9,14 +9,11 @@ set -uo pipefail
 export LIMIT=${LIMIT:-580}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-for pid in $(pgrep -f "minisgl (serve|--model-path)|sglang_router" || true); do kill -9 "$pid" 2>/dev/null; done
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
-  $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
+use_peer
 MODEL=.peer/model
 if [ -n "${MODEL_CONFIG:-}" ]; then MODEL=/tmp/peer-model-$$; mkdir -p $MODEL; cp .peer/model/* $MODEL/; cp "$MODEL_CONFIG" $MODEL/config.json; fi
-PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"  # never on one path with this project: both are 'minisgl'
 BENCH="python3 -m minisgl bench serve --tokenizer $MODEL --rate ${RATES:-inf 32 8} --repeat ${REPEAT:-3} --warmup 16 --no-progress --keep-server-log --output $OUT"
 T=${TAG:+-$TAG}
 for system in ${ORDER:-minisgl peer}; do

@@ -12,10 +12,8 @@ mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 # The xgrammar library is not on the H200 (its plugin is, by folder); these workloads send no grammar.
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
-  $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
+use_peer
 cat .peer/VERSION | tee -a "$OUT/log.txt"
-PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"  # never on one path with this project: both are 'minisgl'
 BENCH="python3 -m minisgl bench serve --tokenizer .peer/model --rate ${RATES:-inf 32 8} --warmup 16 --no-progress --keep-server-log --output $OUT"
 for system in ${ORDER:-peer minisgl}; do
   if [ $system = peer ]; then

@@ -3,8 +3,12 @@
 # carried wheels into /tmp/site, puts the project's sources on PYTHONPATH (the core, every plugin under
 # plugins/, found by its folder, and the benchmarks, benchmarks/minisgl-bench) and writes the dist-info
 # metadata that makes the plugins' entry points visible (they are not pip-installed there).
-# Defines `step LIMIT CMD...`.
+# Ends, by PID, every server, replica and router an earlier call left on this host (each holds GPU memory and
+# would make this call fail or lie). Defines `step LIMIT CMD...` and `use_peer` (Mini-SGLang's wheels, PEER_ENV).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+for pid in $(pgrep -f "minisgl (serve|--model-path)|sglang_router" || true); do
+  [ "$pid" != $$ ] && kill -9 "$pid" 2>/dev/null
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 # The core, every plugins/minisgl-plugin-*/src and minisgl-bench, each with the dist-info that importlib.metadata reads:
 # name, version, its requirement on minisgl and its [project.entry-points.minisgl] (from its pyproject.toml).
@@ -16,3 +20,10 @@ LIMIT=${LIMIT:-560}
 step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] && { echo "=== skipped: $*" | tee -a $OUT/log.txt; return; }
   [ $t -gt $left ] && t=$left; echo "=== $* (${t}s)" | tee -a $OUT/log.txt
   timeout "$t" "$@" 2>&1 | tee -a $OUT/log.txt | grep -v Warning | tail -n 14; }
+# Mini-SGLang (carried in .peer by ../shared/bench/peer/setup.sh) with its wheels in /tmp/psite; PEER_ENV runs it.
+# Never on one path with this project: both are 'minisgl'.
+use_peer() {
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
+    $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
+  PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"
+}
