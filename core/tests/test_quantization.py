@@ -120,4 +120,6 @@ def test_unquantized_layers_keep_their_parameters_and_matmul() -> None:
         assert layer._linear == layer.kernels.linear
         x = torch.randn(3, layer.in_features)
         layer.weight.data.normal_()
+        if layer.bias is not None:  # created empty (it is loaded): garbage, NaN included, until set
+            layer.bias.data.normal_()
         assert torch.equal(layer(x), layer.kernels.linear(x, layer.weight, layer.bias))

@@ -252,7 +252,10 @@ class Scheduler:
         c = self._compiles.pop(rid, None)
         if c is None:
             return
-        compiled = c.future.result()  # rank 0 compiled the same grammar; a failure here is this rank's
+        try:
+            compiled = c.future.result()
+        except Exception as exc:  # rank 0 compiled the same grammar: this rank cannot follow it
+            raise RuntimeError(f"this rank could not compile a grammar rank 0 compiled (request {rid}): {exc}") from exc
         assert self.grammar is not None
         c.req.matcher = self.grammar.matcher(compiled)
         c.req.status = ReqStatus.WAITING

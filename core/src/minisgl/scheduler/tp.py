@@ -96,7 +96,15 @@ def follow(scheduler: Scheduler, control: ControlChannel) -> None:
     is queued and which masks were late; this rank's own grammar timings play no part."""
     scheduler.replays = True
     if scheduler.grammar is not None:
-        scheduler.grammar.limits = dataclasses.replace(scheduler.grammar.limits, mask_seconds=None)
+        # Rank 0 refuses what is over its limits; here the same compile, run alongside the other ranks' on shared
+        # cores, gets a wide margin, since failing what rank 0 compiled would end the whole group.
+        limits = scheduler.grammar.limits
+        scheduler.grammar.limits = dataclasses.replace(
+            limits,
+            compile_seconds=None if limits.compile_seconds is None else 4 * limits.compile_seconds + 10,
+            compile_memory_bytes=None if limits.compile_memory_bytes is None else 2 * limits.compile_memory_bytes,
+            mask_seconds=None,
+        )
     while True:
         for msg in msgpack.unpackb(control.broadcast(), strict_map_key=False):
             kind = msg[0]
