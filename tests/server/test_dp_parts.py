@@ -165,3 +165,81 @@ def test_replica_and_router_command_lines() -> None:
     assert "--prometheus-port 30124" in joined and "--api-key k" in joined
     assert router[-2:] == ["--cache-threshold", "0.5"]
     assert replicas.router.url == "http://127.0.0.1:30123/readiness"
+
+
+class FakeRouter:
+    """The worker API of sglang-router on a loopback port: GET/POST /workers, DELETE /workers/ID; records calls."""
+
+    def __init__(self, urls: list[str]):
+        import http.server
+        import threading
+
+        self.workers = [{"id": f"id-{i}", "url": url} for i, url in enumerate(urls)]
+        self.calls: list[tuple[str, str, str | None, Any]] = []  # method, path, Authorization, body
+        router = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _record(self) -> Any:
+                size = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(size)) if size else None
+                router.calls.append((self.command, self.path, self.headers.get("Authorization"), body))
+                return body
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._record()
+                self._answer(200, {"workers": router.workers, "total": len(router.workers)})
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                self._record()
+                router.workers = [w for w in router.workers if f"/workers/{w['id']}" != self.path]
+                self._answer(202, {"status": "accepted"})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self._record()
+                router.workers.append({"id": f"id-{len(router.calls)}", "url": body["url"]})
+                self._answer(202, {"status": "accepted"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_restarted_replica_leaves_the_router_and_rejoins_it_as_new() -> None:
+    """Taken out by id when it exits, added with its URL and the key once it answers again, and never twice."""
+    settings = ServeSettings(model="m", dp=2, device="cpu", api_key="k", port=0)
+    replicas = ReplicaSet(settings, ["--model", "m"])
+    router = FakeRouter(replicas.worker_urls())
+    try:
+        replicas.settings = settings.model_copy(update={"port": router.port})
+        first = replicas.replicas[0]
+        url = first.url.removesuffix("/health")
+        replicas._router_remove(first)
+        assert [w["url"] for w in router.workers] == [replicas.worker_urls()[1]]
+        assert [(m, p) for m, p, _, _ in router.calls] == [("GET", "/workers"), ("DELETE", "/workers/id-0")]
+        assert all(auth == "Bearer k" for _, _, auth, _ in router.calls)
+        assert replicas._router_add(first)
+        assert router.calls[-1][0:2] == ("POST", "/workers") and router.calls[-1][3] == {"url": url, "api_key": "k"}
+        calls = len(router.calls)
+        assert replicas._router_add(first)  # already there (a restarted router registered it): not added twice
+        assert [m for m, _, _, _ in router.calls[calls:]] == ["GET"]
+        assert sorted(w["url"] for w in router.workers) == sorted(replicas.worker_urls())
+    finally:
+        router.close()
+    # With the router gone, both say so and return (the watch loop tries again).
+    assert not replicas._router_add(first)
+    replicas._router_remove(first)

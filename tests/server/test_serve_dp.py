@@ -218,7 +218,7 @@ def test_a_replica_killed_mid_load_leaves_later_requests_answered(server: Server
         deadline = time.monotonic() + 30
         while healthy_workers(server).get(url0, False) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert healthy_workers(server)[url0] is False  # taken out within seconds
+        assert healthy_workers(server).get(url0, False) is False  # taken out within seconds
         while sum(1 for sent, _ in results if sent > killed) < 12:
             time.sleep(0.1)
     finally:
@@ -234,15 +234,15 @@ def test_a_replica_killed_mid_load_leaves_later_requests_answered(server: Server
     assert healthy_workers(server)[url0] is True
     assert replicas(server)[0][1] != pid0
 
-    # Prompts that match no replica's prefixes go by load and by the router's view of each replica's cache, which
-    # still holds what the old process was sent: which of a few goes where is the router's choice, so ask in rounds
-    # of four at once until the new process has finished one (a replica that is never sent work fails this).
+    # It rejoined as a new worker (the router's view of its load and prefixes starts empty, as its cache does):
+    # prompts that match no replica's prefixes reach it. Which of four at once go where is the router's choice,
+    # so a few rounds are allowed; a replica that is never sent work fails this.
     def ask(n: int) -> int:
         body = {"model": "smollm2", "prompt": f"{n} " * 20, "max_tokens": 16, "ignore_eos": True}
         return httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120).status_code
 
     with ThreadPoolExecutor(4) as pool:
-        for first in range(1, 41, 4):
+        for first in range(1, 13, 4):
             assert list(pool.map(ask, range(first, first + 4))) == [200] * 4
             if finished(url0) > 0:
                 break

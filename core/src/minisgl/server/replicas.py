@@ -5,14 +5,17 @@ tensor-parallel ranks) listening on a loopback port, with its own devices: a sli
 one GPU's memory when there are fewer GPUs than replicas. In front of them runs sglang-router on ``--host/--port``:
 it routes each request (by default to the replica that holds the longest prefix of it), checks every replica's
 ``/health`` each second and takes out one that fails twice. This process watches them all: a replica that exits is
-started again with back-off (and rejoins once its ``/health`` answers), and SIGINT/SIGTERM drains the router, then
-the replicas, and leaves no process behind.
+taken out of the router at once and started again with back-off; once its ``/health`` answers it is added to the
+router anew, so that the router's view of it (its load, the prefixes it holds) starts empty, as the replica's own
+cache does. (A worker that only went unhealthy and came back keeps its place: the router puts it back itself.)
+SIGINT/SIGTERM drains the router, then the replicas, and leaves no process behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shlex
@@ -26,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 from .settings import ServeSettings, likely_device
 
@@ -155,6 +158,7 @@ class Child:
     started: float = 0.0
     restart_at: float | None = None
     backoff: float = 1.0
+    rejoin: bool = False  # started again: to be added to the router once it answers
     relays: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> None:
@@ -235,6 +239,44 @@ class ReplicaSet:
             command += ["--api-key", s.api_key]
         return command + shlex.split(s.router_args or "")
 
+    def _router_call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One call of the router's worker API (JSON in and out, with our key when there is one)."""
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.router_url(path), data=data, method=method, headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else None
+
+    def _router_remove(self, replica: Child) -> None:
+        """Take ``replica`` out of the router now (it exited): no request waits for its health checks to fail."""
+        url = replica.url.removesuffix("/health")
+        try:
+            workers = self._router_call("GET", "/workers")["workers"]
+            for worker in workers:
+                if worker.get("url") == url:
+                    self._router_call("DELETE", f"/workers/{worker['id']}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # the router itself may be down or restarting
+            logger.warning("could not take %s out of the router (%s); its health checks will", replica.name, exc)
+
+    def _router_add(self, replica: Child) -> bool:
+        """Add ``replica`` (started again and answering) to the router; whether the router took it."""
+        body: dict[str, Any] = {"url": replica.url.removesuffix("/health")}
+        if self.settings.api_key:
+            body["api_key"] = self.settings.api_key
+        try:
+            workers = self._router_call("GET", "/workers")["workers"]
+            if any(worker.get("url") == body["url"] for worker in workers):
+                return True  # a router started again meanwhile registered it from its command line
+            self._router_call("POST", "/workers", body)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("could not add %s to the router yet (%s); trying again", replica.name, exc)
+            return False
+        logger.info("%s rejoined the router", replica.name)
+        return True
+
     def _wait_ready(self, children: list[Child]) -> str | None:
         """Wait until every child answers /health; why not, if one exits first or we are told to stop."""
         pending = list(children)
@@ -278,10 +320,13 @@ class ReplicaSet:
         while not self.stopping.wait(0.5):
             now = time.monotonic()
             for child in [*self.replicas, self.router]:
+                is_replica = child is not self.router
                 code = child.exit_code()
                 if code is None:
                     if now - child.started > 60:
                         child.backoff = 1.0  # it stayed up: the next failure is a new one
+                    if child.rejoin and answers(child.url) and self._router_add(child):
+                        child.rejoin = False
                     continue
                 if child.restart_at is None:
                     child.restart_at = now + child.backoff
@@ -289,11 +334,14 @@ class ReplicaSet:
                         "%s exited with code %s; starting it again in %.0f s", child.name, code, child.backoff
                     )
                     child.backoff = min(MAX_BACKOFF, child.backoff * 2)
+                    if is_replica and not child.rejoin:
+                        self._router_remove(child)
                 elif now >= child.restart_at:
                     child.wait_stopped(now)  # what is left of its tree
                     child.relays.clear()
                     child.start()
                     assert child.proc is not None
+                    child.rejoin = is_replica  # a restarted router registers every replica itself
                     logger.info("%s started again: pid=%d", child.name, child.proc.pid)
 
     def shutdown(self) -> None:
