@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from minisgl_plugin_xgrammar.backend import XGrammarBackend, XGrammarMask
 
 from minisgl.core import Req, SamplingParams, ValidationError
-from minisgl.engine.grammar import TokenMask
+from minisgl.engine.grammar import GrammarLimits, TokenMask
 from minisgl.engine.sampling import Sampler
 from minisgl.plugins import PluginRegistry, UnknownComponentError, load_plugins
 from minisgl.testing.models import save_word_tokenizer
@@ -136,3 +137,43 @@ def test_mask_applies_to_transposed_logits(mask_type: type[TokenMask]) -> None:
     tokens = Sampler(CPU).sample(logits, reqs, mask_type(bitmask, [0, 2, 4])).tokens.tolist()
     assert tokens[0::2] == [7, 7, 7]
     assert tokens[1::2] == free[1::2]
+
+
+class ScriptedMatcher:
+    """Fills an all-allowed row; ``waits`` gives, per call, an Event to wait on first (None: no wait)."""
+
+    def __init__(self, waits: list[threading.Event | None], log: list[str], name: str):
+        self.waits, self.log, self.name = waits, log, name
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        gate = self.waits.pop(0) if self.waits else None
+        if gate is not None:
+            gate.wait(10)
+        bitmask[row] = -1
+        self.log.append(f"filled {self.name}")
+
+
+def test_a_mask_past_its_budget_makes_its_row_late_and_the_others_go_on(
+    registry: PluginRegistry, tokenizer: object
+) -> None:
+    backend = _backend(registry, tokenizer)
+    backend.limits = GrammarLimits(mask_seconds=0.05)
+    log: list[str] = []
+    slow_then_stuck = threading.Event()  # never set before fill returns: a fill waiting for it is stuck
+    took_long = threading.Event()
+    threading.Timer(0.2, took_long.set).start()
+    quick = ScriptedMatcher([], log, "quick")
+    turns = ScriptedMatcher([None, took_long, slow_then_stuck], log, "turns")
+    # Step 1: both quick. Step 2: "turns" takes 0.2 s in this thread: done, but past the budget, so late.
+    assert backend.fill([(0, quick), (1, turns)], 2).late == []
+    mask = backend.fill([(0, quick), (1, turns)], 2)
+    assert mask.late == [1] and mask.rows == [0]
+    # A matcher slower than a quarter of the budget last time is filled on a thread, and left there once past it.
+    backend._last_fill[id(turns)] = 0.04
+    mask = backend.fill([(0, quick), (1, turns)], 2)
+    assert log.count("filled turns") == 2  # returned while its third fill still waited
+    slow_then_stuck.set()
+    assert mask.late == [1] and mask.rows == [0]
+    assert backend._host is None  # its row may still be written: the next step takes a fresh buffer
+    assert backend.fill([(0, quick)], 1).late == []
+    backend.close()

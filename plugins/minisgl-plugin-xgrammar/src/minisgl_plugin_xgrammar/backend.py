@@ -71,6 +71,8 @@ class XGrammarBackend(BaseGrammarBackend):
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None  # fills masks in parallel
+        self._last_fill: dict[int, float] = {}  # id(matcher) -> seconds its last mask took
+        self._started: dict[int, float] = {}  # row -> when its watched fill started
         self._threads = max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def _tokenizer_info(self) -> Any:
@@ -177,7 +179,12 @@ class XGrammarBackend(BaseGrammarBackend):
     def fill(self, matchers: Sequence[tuple[int, Any]], n: int) -> TokenMask | None:
         """The host buffer is reused: the caller waits for the last step that used it (the scheduler reads a
         constrained step's tokens before it fills the next mask). A row given up on (``late``) may still be
-        written by its fill, so the buffer is replaced then."""
+        written by its fill, so the buffer is replaced then.
+
+        With a mask budget, a matcher whose last mask took over a quarter of it is filled on a thread and given
+        up on once it runs past the budget; the others are filled as usual (in this thread, or spread over the
+        threads for a large batch) and timed, and one that took longer than the budget is late too (its request
+        ends; this keeps one slow grammar from slowing every later step)."""
         if not matchers:
             return None
         if self._host is None or self._dev is None:
@@ -186,47 +193,76 @@ class XGrammarBackend(BaseGrammarBackend):
             self._dev = self._host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
         host, dev = self._host, self._dev
         budget = self.limits.mask_seconds
-        late = self._fill_rows(host, matchers, budget) if budget is not None else self._fill_all(host, matchers)
-        if late:
-            self._host = None  # a late fill may still write its row: the next step takes a fresh buffer
+        last = self._last_fill
+        if budget is None:
+            watched: list[tuple[int, Any]] = []
+        else:
+            watched = [(row, m) for row, m in matchers if last.get(id(m), 0.0) > budget * self.slow_share]
+        quick = [(row, m) for row, m in matchers if (row, m) not in watched] if watched else list(matchers)
+        seconds: dict[int, float] = {}
+        pending = self._start_watched(host, watched)
+        self._fill_quick(host, quick, seconds)
+        left = self._wait_watched(pending, budget, seconds) if pending else set()
+        late = left | ({row for row, t in seconds.items() if t > budget} if budget is not None else set())
+        self._last_fill = {id(m): seconds[row] for row, m in matchers if row in seconds and row not in late}
+        if left:
+            self._host = None  # a fill given up on may still write its row: the next step takes a fresh buffer
             if dev is host:
                 self._dev = None
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
         return XGrammarMask(dev[:n], [row for row, _ in matchers if row not in late], late=sorted(late))
 
-    def _fill_all(self, host: torch.Tensor, matchers: Sequence[tuple[int, Any]]) -> set[int]:
-        if len(matchers) == 1:
-            row, m = matchers[0]
-            m.fill_next_token_bitmask(host, row)
-        else:  # xgrammar releases the GIL while it fills: rows in parallel
-            for f in [self._get_pool().submit(m.fill_next_token_bitmask, host, row) for row, m in matchers]:
-                f.result()
-        return set()
+    slow_share = 0.25  # of the mask budget: a matcher slower than this last time is filled where it can be left
+    parallel_rows = 16  # a step with at least this many quick rows spreads them over the threads
 
-    def _fill_rows(self, host: torch.Tensor, matchers: Sequence[tuple[int, Any]], budget: float) -> set[int]:
-        """Fill every row in parallel; the rows whose own fill has run longer than ``budget`` are given up on."""
-        started: dict[int, float] = {}
+    def _fill_quick(self, host: torch.Tensor, matchers: list[tuple[int, Any]], seconds: dict[int, float]) -> None:
+        """Fill and time each row: here, one after another, or in groups on the threads for a large batch
+        (xgrammar releases the GIL while it fills)."""
+
+        def run(group: list[tuple[int, Any]]) -> None:
+            for row, m in group:
+                t0 = time.perf_counter()
+                m.fill_next_token_bitmask(host, row)
+                seconds[row] = time.perf_counter() - t0
+
+        if len(matchers) < self.parallel_rows:
+            run(matchers)
+            return
+        groups = min(self._threads, len(matchers) // 4)
+        for f in [self._get_pool().submit(run, matchers[g::groups]) for g in range(groups)]:
+            f.result()
+
+    def _start_watched(self, host: torch.Tensor, matchers: list[tuple[int, Any]]) -> dict[Future[None], int]:
+        """Start each row on a thread of its own (its start time goes in ``self._started``)."""
+        started = self._started = {}
 
         def job(row: int, m: Any) -> None:
             started[row] = time.monotonic()
             m.fill_next_token_bitmask(host, row)
 
-        pool = self._get_pool()
-        pending: dict[Future[None], int] = {pool.submit(job, row, m): row for row, m in matchers}
+        pool = self._get_pool() if matchers else None
+        return {pool.submit(job, row, m): row for row, m in matchers} if pool is not None else {}
+
+    def _wait_watched(
+        self, pending: dict[Future[None], int], budget: float | None, seconds: dict[int, float]
+    ) -> set[int]:
+        """Wait for the watched rows; those whose own fill has run longer than ``budget`` are given up on."""
+        started = self._started
         late: set[int] = set()
         while pending:
             now = time.monotonic()
             for f, row in list(pending.items()):
                 if f.done():
                     f.result()
+                    seconds[row] = now - started.get(row, now)
                     del pending[f]
-                elif row in started and now - started[row] > budget:
+                elif budget is not None and row in started and now - started[row] > budget:
                     late.add(row)
                     del pending[f]
             if pending:
                 running = [started[row] for row in pending.values() if row in started]
-                timeout = max(min(running, default=now) + budget - now, 0.0) + 0.001
+                timeout = max(min(running, default=now) + (budget or 0.05) - now, 0.0) + 0.001
                 wait(list(pending), timeout=timeout)
         return late
 
