@@ -35,6 +35,10 @@ def test_replicas_get_their_own_gpus_when_there_are_enough() -> None:
     # CUDA_VISIBLE_DEVICES items are passed on as they are (indices or UUIDs).
     assert [p.devices for p in plan_replicas(2, 1, ["3", "GPU-ab"], 0.9)] == ["3", "GPU-ab"]
     assert [p.devices for p in plan_replicas(3, 1, None, 0.9)] == [None, None, None]  # CPU: a process each
+    # On CPU each takes its share of the cores (at least one), so replicas computing at once do not contend.
+    assert [p.cpu_threads for p in plan_replicas(2, 1, None, 0.9, cpus=8)] == [4, 4]
+    assert [p.cpu_threads for p in plan_replicas(3, 1, None, 0.9, cpus=2)] == [1, 1, 1]
+    assert all(p.cpu_threads is None for p in plan_replicas(2, 1, ["0", "1"], 0.9))
 
 
 @pytest.mark.parametrize(("dp", "fraction"), [(2, 0.85), (3, 0.9), (4, 0.5)])
@@ -158,6 +162,8 @@ def test_replica_and_router_command_lines() -> None:
         assert replica.command[serve + 1 : serve + 7] == ["--model", "m", "--dp", "2", "--api-key", "k"]
         assert replica.command[serve + 7 :] == ["--dp", "1", "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
         assert replica.env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # CPU: as given
+        threads = os.environ.get("OMP_NUM_THREADS") or str(replicas.plans[0].cpu_threads)
+        assert replica.env["OMP_NUM_THREADS"] == threads  # its share of the cores, unless the user set it
     router = replicas.router.command
     assert router[router.index("--worker-urls") + 1 : router.index("--host")] == urls
     joined = " ".join(router)
