@@ -5,7 +5,7 @@
 # the model directory ../shared/bench/peer/setup.sh carries). Carry in .whl/ also the router's wheels:
 # sglang_router-0.3.2-cp38-abi3-manylinux*_x86_64.whl and setproctitle (a wheel for the host's Python); setup.sh
 # installs them with the others. Results: JSON files and server logs in $OUT. WORKLOADS (default
-# "shared-prefix random") and RUNS (default "dp1 dp2-cache dp2-rr") vary it; the six runs can pass one call's
+# "shared-prefix random") and RUNS (default "dp1 dp2-cache dp2-rr dp2-cache-bal") vary it; the six runs can pass one call's
 # 10 minutes (start-ups), so run it as two calls: WORKLOADS=shared-prefix, then WORKLOADS=random.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
@@ -25,11 +25,13 @@ for workload in ${WORKLOADS:-shared-prefix random}; do
   else
     args="--workload random --rate inf"
   fi
-  for run in ${RUNS:-dp1 dp2-cache dp2-rr}; do
+  for run in ${RUNS:-dp1 dp2-cache dp2-rr dp2-cache-bal}; do
     case $run in
       dp1) server="$SERVE" ;;
       dp2-cache) server="$SERVE --dp 2 --router-policy cache_aware" ;;
       dp2-rr) server="$SERVE --dp 2 --router-policy round_robin" ;;
+      # cache_aware that balances early: with a shared system prompt the defaults send everything to one replica
+      dp2-cache-bal) server="$SERVE --dp 2 --router-policy cache_aware --router-args '--balance-abs-threshold 4 --balance-rel-threshold 1.2'" ;;
     esac
     step 170 $BENCH $args --label "dp-$workload-$run" --launch "$server"
     # Nothing may outlive a run: a leftover replica would hold the next run's GPU memory.
