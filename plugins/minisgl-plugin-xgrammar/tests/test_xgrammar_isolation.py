@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,3 +161,29 @@ def test_a_cached_grammar_is_queued_at_once(llm: LLM) -> None:
         sched.step()
     assert sched.take_grammar_outcomes() == []
     assert llm.tokenizer.decode(req.output_ids, skip_special_tokens=True) in ("red", "green", "blue")
+
+
+def test_close_ends_a_compile_under_way(llm: LLM) -> None:
+    """Closing (the scheduler's close at shutdown) kills the child at once, not after the compile's time limit."""
+    import threading
+
+    backend = llm.scheduler.grammar
+    assert backend is not None
+    process = CompileProcess(backend._tokenizer_info().serialize_json(), threads=1)
+    process.compile("regex", "a", seconds=60, memory=None)  # started and warm
+    errors: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            process.compile("json_schema", SLOW_SCHEMA, seconds=60, memory=None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.5)
+    child = process._proc
+    process.close()
+    thread.join(5)  # the compile alone takes 10 s and more
+    assert not thread.is_alive() and errors and isinstance(errors[0], RuntimeError)
+    assert child is not None and child.poll() is not None

@@ -159,8 +159,13 @@ class CompileProcess:
                     self._proc = self._start()
 
     def close(self) -> None:
+        """Kill the child now, also in the middle of a compile (that compile fails; it holds the lock until it
+        sees the child gone, so the child is killed before the lock is taken)."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
         with self._lock:
-            self._closed = True
             if self._proc is not None:
                 self._kill(self._proc)
 
