@@ -221,9 +221,7 @@ class Scheduler:
                     continue
                 if self.trace is not None and len(c.times) == 2:
                     self.trace.note(f"grammar_compile:{(c.times[1] - c.times[0]) * 1000:.1f}ms")
-                req.matcher = self.grammar.matcher(compiled)
-                req.status = ReqStatus.WAITING
-                self.waiting.append(req)
+                self._queue_compiled(req, compiled)
                 self._grammar_outcomes.append((req, None))
                 self._grammar_queued(req)
             elif limit is not None and c.times and now - c.times[0] > limit + 1.0:
@@ -256,10 +254,14 @@ class Scheduler:
             compiled = c.future.result()
         except Exception as exc:  # rank 0 compiled the same grammar: this rank cannot follow it
             raise RuntimeError(f"this rank could not compile a grammar rank 0 compiled (request {rid}): {exc}") from exc
+        self._queue_compiled(c.req, compiled)
+
+    def _queue_compiled(self, req: Req, compiled: Any) -> None:
+        """``req`` leaves ``COMPILING`` for the queue, with a matcher of its compiled grammar."""
         assert self.grammar is not None
-        c.req.matcher = self.grammar.matcher(compiled)
-        c.req.status = ReqStatus.WAITING
-        self.waiting.append(c.req)
+        req.matcher = self.grammar.matcher(compiled)
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
 
     def abort(self, rid: int, reason: str = "abort") -> Req | None:
         """Finish request ``rid`` now (with ``reason``), returning its pages. None if unknown or done."""
@@ -293,9 +295,13 @@ class Scheduler:
         """Run one batch (see the module docstring for what it holds). The events of the batch whose tokens
         arrived (with overlap, the previous one). With only grammars compiling, waits a little for one."""
         if not self.replays:
-            idle = not (self.waiting or self.running or self._inflight is not None)
-            self._collect_compiles(wait=0.02 if idle else 0.0)
+            self._collect_compiles_before_step()
         return self._step()
+
+    def _collect_compiles_before_step(self) -> None:
+        """Collect the finished compiles; with nothing else to run, wait a little for one (no busy loop)."""
+        idle = not (self.waiting or self.running or self._inflight is not None)
+        self._collect_compiles(wait=0.02 if idle else 0.0)
 
     def _step(self) -> list[TokenEvent]:
         trace = self.trace

@@ -78,8 +78,7 @@ class ReplicatedScheduler(Scheduler):
             if self.abort(req.rid, "grammar_error") is not None:
                 events.append(TokenEvent(req, None, None, True))
         self._late_ends = []
-        idle = not (self.waiting or self.running or self._inflight is not None)
-        self._collect_compiles(wait=0.02 if idle else 0.0)  # its outcomes are mirrored with this step
+        self._collect_compiles_before_step()  # its outcomes are mirrored with this step
         self._pending.append(["step"])
         self.control.broadcast(msgpack.packb(self._pending))
         self._pending = []
