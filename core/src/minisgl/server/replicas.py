@@ -266,14 +266,16 @@ class ReplicaSet:
             raw = response.read()
         return json.loads(raw) if raw else None
 
+    def _router_worker_ids(self, replica: Child) -> list[str]:
+        """The router's ids of the workers at ``replica``'s URL (none when it does not list it)."""
+        url = replica.url.removesuffix("/health")
+        return [w["id"] for w in self._router_call("GET", "/workers")["workers"] if w.get("url") == url]
+
     def _router_remove(self, replica: Child) -> None:
         """Take ``replica`` out of the router now (it exited): no request waits for its health checks to fail."""
-        url = replica.url.removesuffix("/health")
         try:
-            workers = self._router_call("GET", "/workers")["workers"]
-            for worker in workers:
-                if worker.get("url") == url:
-                    self._router_call("DELETE", f"/workers/{worker['id']}")
+            for worker_id in self._router_worker_ids(replica):
+                self._router_call("DELETE", f"/workers/{worker_id}")
         except (OSError, ValueError, KeyError, TypeError) as exc:  # the router itself may be down or restarting
             logger.warning("could not take %s out of the router (%s); its health checks will", replica.name, exc)
 
@@ -283,8 +285,7 @@ class ReplicaSet:
         if self.settings.api_key:
             body["api_key"] = self.settings.api_key
         try:
-            workers = self._router_call("GET", "/workers")["workers"]
-            if any(worker.get("url") == body["url"] for worker in workers):
+            if self._router_worker_ids(replica):
                 return True  # a router started again meanwhile registered it from its command line
             self._router_call("POST", "/workers", body)
         except (OSError, ValueError, KeyError, TypeError) as exc:
