@@ -72,7 +72,6 @@ class XGrammarBackend(BaseGrammarBackend):
         self._dev: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None  # fills masks in parallel
         self._last_fill: dict[int, float] = {}  # id(matcher) -> seconds its last mask took
-        self._started: dict[int, float] = {}  # row -> when its watched fill started
         self._threads = max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def _tokenizer_info(self) -> Any:
@@ -193,16 +192,16 @@ class XGrammarBackend(BaseGrammarBackend):
             self._dev = self._host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
         host, dev = self._host, self._dev
         budget = self.limits.mask_seconds
-        last = self._last_fill
-        if budget is None:
-            watched: list[tuple[int, Any]] = []
-        else:
-            watched = [(row, m) for row, m in matchers if last.get(id(m), 0.0) > budget * self.slow_share]
-        quick = [(row, m) for row, m in matchers if (row, m) not in watched] if watched else list(matchers)
+        slow = budget * self.slow_share if budget is not None else None
+        watched = {row for row, m in matchers if slow is not None and self._last_fill.get(id(m), 0.0) > slow}
         seconds: dict[int, float] = {}
-        pending = self._start_watched(host, watched)
-        self._fill_quick(host, quick, seconds)
-        left = self._wait_watched(pending, budget, seconds) if pending else set()
+        left: set[int] = set()
+        if watched and budget is not None:
+            pending, started = self._start_watched(host, [(row, m) for row, m in matchers if row in watched])
+            self._fill_quick(host, [(row, m) for row, m in matchers if row not in watched], seconds)
+            left = self._wait_watched(pending, started, budget, seconds)
+        else:
+            self._fill_quick(host, list(matchers), seconds)
         late = left | ({row for row, t in seconds.items() if t > budget} if budget is not None else set())
         self._last_fill = {id(m): seconds[row] for row, m in matchers if row in seconds and row not in late}
         if left:
@@ -233,22 +232,24 @@ class XGrammarBackend(BaseGrammarBackend):
         for f in [self._get_pool().submit(run, matchers[g::groups]) for g in range(groups)]:
             f.result()
 
-    def _start_watched(self, host: torch.Tensor, matchers: list[tuple[int, Any]]) -> dict[Future[None], int]:
-        """Start each row on a thread of its own (its start time goes in ``self._started``)."""
-        started = self._started = {}
+    def _start_watched(
+        self, host: torch.Tensor, matchers: list[tuple[int, Any]]
+    ) -> tuple[dict[Future[None], int], dict[int, float]]:
+        """Start each row on a thread of its own: the futures (to their rows) and when each row's fill started."""
+        started: dict[int, float] = {}
 
         def job(row: int, m: Any) -> None:
             started[row] = time.monotonic()
             m.fill_next_token_bitmask(host, row)
 
-        pool = self._get_pool() if matchers else None
-        return {pool.submit(job, row, m): row for row, m in matchers} if pool is not None else {}
+        pool = self._get_pool()
+        return {pool.submit(job, row, m): row for row, m in matchers}, started
 
+    @staticmethod
     def _wait_watched(
-        self, pending: dict[Future[None], int], budget: float | None, seconds: dict[int, float]
+        pending: dict[Future[None], int], started: dict[int, float], budget: float, seconds: dict[int, float]
     ) -> set[int]:
         """Wait for the watched rows; those whose own fill has run longer than ``budget`` are given up on."""
-        started = self._started
         late: set[int] = set()
         while pending:
             now = time.monotonic()
@@ -257,12 +258,12 @@ class XGrammarBackend(BaseGrammarBackend):
                     f.result()
                     seconds[row] = now - started.get(row, now)
                     del pending[f]
-                elif budget is not None and row in started and now - started[row] > budget:
+                elif row in started and now - started[row] > budget:
                     late.add(row)
                     del pending[f]
             if pending:
                 running = [started[row] for row in pending.values() if row in started]
-                timeout = max(min(running, default=now) + (budget or 0.05) - now, 0.0) + 0.001
+                timeout = max(min(running, default=now) + budget - now, 0.0) + 0.001
                 wait(list(pending), timeout=timeout)
         return late
 
