@@ -18,29 +18,24 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .serve_trace import _run_name, read_trace
 
 KINDS = ("decode", "mixed", "prefill")
 
 
 def _pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+    """The ``p`` quantile (0-1) as ``bench serve`` computes its percentiles (numpy's, interpolated)."""
+    return float(np.percentile(values, p * 100.0)) if values else None
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     """``(intercept, slope)`` of the least-squares line through the points (None: too few, or one x)."""
-    n = len(xs)
-    if n < 3:
+    if len(xs) < 3 or len(set(xs)) < 2:
         return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    return my - slope * mx, slope
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(intercept), float(slope)
 
 
 def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
