@@ -249,6 +249,15 @@ class _Progress:
         if became_idle:
             self.beat_now()
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """The loop is working (a step, or taking requests): the heartbeat reports for how long."""
+        self.step_started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.step_started = None
+
     def probe(self) -> tuple[float, dict[str, Any]]:
         started = self.step_started
         return (time.monotonic() - started if started is not None else 0.0), self.state
@@ -322,17 +331,11 @@ def _serve(
                 ranks.check_alive()  # a dead rank would hang the next collective: fail now instead
         out = StepOutput()
         if poller.poll(0 if sched.has_work else 200):
-            progress.step_started = time.monotonic()  # busy: what the loop does outside a step counts too
-            try:
+            with progress.busy():  # what the loop does outside a step counts too
                 _take(sched, recv_all(inbox), out)
-            finally:
-                progress.step_started = None
         if sched.has_work:
-            progress.step_started = time.monotonic()
-            try:
+            with progress.busy():
                 events = step_naming_dead_rank(sched, ranks)
-            finally:
-                progress.step_started = None
             _grammar_outcomes(sched, out)
             if events:
                 _add_events(out, events)
