@@ -7,6 +7,8 @@
 # installs them with the others. Results: JSON files and server logs in $OUT. WORKLOADS (default
 # "shared-prefix random") and RUNS (default "dp1 dp2-cache dp2-rr dp2-cache-bal") vary it; the six runs can pass one call's
 # 10 minutes (start-ups), so run it as two calls: WORKLOADS=shared-prefix, then WORKLOADS=random.
+# Carry only .whl and .peer/model: the working tree and the carried paths must fit in 64 MiB, and the router's
+# wheel is 30 MB (leave nvidia_cudnn_frontend out of .whl for this call; none of these runs needs it).
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
 OUT=${OUT:-/tmp/out}
