@@ -109,8 +109,11 @@ def _check_divergences(ref: Reference, tokens: list[list[int]], label: str) -> N
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path, prompts: list[list[int]]) -> Iterator[Reference]:
-    tokens, llm = _generate(model_dir, prompts, attention_backend="torch", overlap_schedule=False)
+    tokens, llm = _generate(
+        model_dir, prompts, attention_backend="torch", overlap_schedule=False, cuda_graph_max_tokens=0
+    )
     assert llm.engine.graphs is None  # the torch backend has no graph hooks: eager decode
+    assert llm.engine.prefill_graphs is None  # and eager prefill: the reference has no graphs at all
     yield Reference(prompts, tokens, llm)
     llm.close()
 
@@ -128,10 +131,14 @@ def test_flashinfer_greedy_agrees_with_torch(
         attention_backend="flashinfer",
         page_size=page_size,
         cuda_graph_max_bs=16 if graphs else 0,
+        cuda_graph_max_tokens=4096 if graphs else 0,
         overlap_schedule=overlap,
     )
     assert type(llm.engine.attn).__name__ == "FlashInferAttnBackend"
     assert (llm.engine.graphs is not None) == graphs
+    # chunked_prefill_size 256 + max_running_requests 16: every prefill and mixed step replays graphs
+    assert (llm.engine.prefill_graphs is not None) == graphs
+    assert not graphs or llm.engine.prefill_graphs.max_tokens == 272
     assert llm.scheduler.overlap == overlap
     llm.close()
     assert all(len(t) == NEW_TOKENS for t in tokens)

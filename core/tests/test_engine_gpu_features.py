@@ -2,7 +2,7 @@
 
 Overlap scheduling launches batch N+1 before reading batch N's tokens; on
 CPU the same code path runs, so its bookkeeping is checked here against
-lock-step scheduling and transformers. Also: graph batch sizes.
+lock-step scheduling and transformers. Also: graph batch sizes and prefill graph token counts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.graph import graph_batch_sizes
+from minisgl.engine.graph import graph_batch_sizes, graph_token_sizes
 from minisgl.plugins import PluginRegistry
 from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
 
@@ -120,3 +120,24 @@ def test_graph_batch_sizes() -> None:
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_batch_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and len(sizes) == 35
+
+
+def test_graph_token_sizes() -> None:
+    assert graph_token_sizes(0) == []
+    assert graph_token_sizes(16) == [16]
+    assert graph_token_sizes(40) == [16, 32, 40]
+    sizes = graph_token_sizes(4096)
+    assert sizes[:3] == [16, 32, 48] and sizes[-1] == 4096 and sizes == sorted(set(sizes))
+    assert len(sizes) == 48 and sizes[15:18] == [256, 288, 320] and sizes[-2] == 3840
+    # A batch pads to the next size: past 128 tokens by at most an eighth of it.
+    for n in range(129, 4097, 7):
+        padded = next(s for s in sizes if s >= n)
+        assert padded - n <= n / 8, (n, padded)
+    assert graph_token_sizes(5000)[-3:] == [4096, 4608, 5000]
+
+
+def test_no_prefill_graphs_on_cpu(tiny: Tiny) -> None:
+    with _llm(tiny) as llm:
+        assert llm.engine.prefill_graphs is None and llm.engine.graphs is None
+        llm.generate(tiny.prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        assert llm.engine.last_launch_replayed is False

@@ -46,7 +46,7 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
                  "--chunked-prefill-size", "--max-model-len", "--host", "--port", "--api-key",
                  "--served-model-name", "--tp", "--num-pages", "--mem-fraction", "--cpu-kv-cache-gb",
                  "--load-format", "--model-config", "--hf-config-path", "--kernels", "--seed",
-                 "--cuda-graph-max-bs", "--overlap-schedule",
+                 "--cuda-graph-max-bs", "--cuda-graph-max-tokens", "--overlap-schedule",
                  "--kv-pool", "--moe-backend", "--shell", "--nnodes", "--node-rank", "--dist-init-addr",
                  "MINISGL_MAX_RUNNING_REQUESTS"):  # fmt: skip
         assert flag in out.stdout, flag

@@ -92,6 +92,12 @@ class EngineFields(BaseModel):
     )
     seed: int = Field(0, description="seed of the sampler for requests without their own seed")
     cuda_graph_max_bs: int = Field(256, ge=0, description="largest decode batch captured in a CUDA graph; 0 = none")
+    cuda_graph_max_tokens: int = Field(
+        4096,
+        ge=0,
+        description="largest prefill or mixed step, in tokens, whose work outside attention replays from CUDA "
+        "graphs (attention runs between them); 0 = none",
+    )
     overlap_schedule: bool = Field(True, description="overlap scheduling with the GPU step")
     trace_steps: str | None = Field(
         None,

@@ -151,7 +151,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kernels": args.kernels,
     }
     # Passed only when given, so the defaults stay the engine's own.
-    for name in ("quantization", "kv_cache_dtype"):
+    for name in ("quantization", "kv_cache_dtype", "cuda_graph_max_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.load_format == "dummy":
@@ -314,6 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 disables CUDA graphs")
+    p.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=None, help="largest prefill step replayed from graphs; 0: none"
+    )
     p.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
     p.add_argument(
         "--kernels", default="auto", help="kernel set: auto or an installed set's name (torch: plain PyTorch)"

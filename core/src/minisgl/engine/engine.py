@@ -33,7 +33,7 @@ from ..plugins import (
     choose_quantization,
     load_plugins,
 )
-from .graph import CudaGraphRunner
+from .graph import CudaGraphRunner, PrefillGraphRunner
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -117,7 +117,9 @@ class Engine:
         # The token each request sampled last, by table row: the input of its next decode step.
         self.last_token = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
         self.graphs = self._build_graphs()
-        #: Whether the last :meth:`launch` replayed a CUDA graph (a decode batch that could not is a graph miss).
+        self.prefill_graphs = self._build_prefill_graphs()
+        #: Whether the last :meth:`launch` replayed CUDA graphs (a decode batch that could not is a graph miss;
+        #: a prefill batch replays its work outside attention when it has at most ``cuda_graph_max_tokens``).
         self.last_launch_replayed = False
 
     # ------------------------------------------------------------------ build
@@ -285,15 +287,26 @@ class Engine:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         if self.device.type != "cuda" or max_bs <= 0:
             return None
+        if not self._moe_capturable():
+            logger.info("CUDA graphs off: the MoE backend %s cannot be captured", type(self.moe_backend).__name__)
+            return None
         if not self.attn.supports_cuda_graph:
             logger.info("CUDA graphs off: the decode attention backend does not support them")
-            return None
-        if self.moe_backend is not None and not self.moe_backend.supports_cuda_graph:
-            logger.info("CUDA graphs off: the MoE backend %s cannot be captured", type(self.moe_backend).__name__)
             return None
         return CudaGraphRunner(
             self.model, self.attn, max_bs=max_bs, max_seq_len=self.page_table.shape[1], device=self.device
         )
+
+    def _build_prefill_graphs(self) -> PrefillGraphRunner | None:
+        # A step holds at most a prompt chunk and one token of every other running request.
+        cfg = self.config
+        max_tokens = min(cfg.cuda_graph_max_tokens, cfg.chunked_prefill_size + cfg.max_running_requests)
+        if self.device.type != "cuda" or max_tokens <= 0 or not self._moe_capturable():
+            return None  # attention runs eagerly between the graphs: any backend will do
+        return PrefillGraphRunner(self.model, self.attn, max_tokens=max_tokens, device=self.device)
+
+    def _moe_capturable(self) -> bool:
+        return self.moe_backend is None or self.moe_backend.supports_cuda_graph
 
     # ------------------------------------------------------------------- step
     def prepare(self, batch: Batch, new_entries: torch.Tensor | None) -> StepInputs:
@@ -310,9 +323,8 @@ class Engine:
         rows that sample (the scheduler may wait there for the previous step's tokens while this one runs)."""
         inputs.apply(batch, self.page_table, self.last_token)
         reqs = [r for r, s in zip(batch.reqs, batch.sample_mask, strict=False) if s]
-        self.last_launch_replayed = self.graphs is not None and self.graphs.can_run(batch)
-        if self.last_launch_replayed:
-            assert self.graphs is not None
+        if batch.is_decode and self.graphs is not None and self.graphs.can_run(batch):
+            self.last_launch_replayed = True
             logits = self.graphs.replay(batch)
         else:
             hidden = self._forward(batch)
@@ -338,9 +350,13 @@ class Engine:
         return self.model.compute_logits(self._forward(batch))
 
     def _forward(self, batch: Batch) -> torch.Tensor:
-        """The eager forward: hidden states at every new position."""
+        """The forward without the LM head, eager or from prefill graphs: hidden states at every new position."""
         assert batch.input_ids is not None and batch.positions is not None
         self.attn.prepare_metadata(batch)
+        self.last_launch_replayed = self.prefill_graphs is not None and self.prefill_graphs.can_run(batch)
+        if self.last_launch_replayed:
+            assert self.prefill_graphs is not None
+            return self.prefill_graphs.replay(batch)
         return self.model(batch.input_ids, batch.positions, ForwardContext(batch, self.attn))
 
 

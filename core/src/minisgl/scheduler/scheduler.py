@@ -115,6 +115,7 @@ class Scheduler:
                 "admit_reserve_tokens": cfg.admit_reserve_tokens,
                 "overlap_schedule": cfg.overlap_schedule,
                 "cuda_graphs": engine.graphs is not None,
+                "prefill_graph_max_tokens": engine.prefill_graphs.max_tokens if engine.prefill_graphs else 0,
             }
             try:
                 self.trace = StepTrace(cfg.trace_steps, header, engine.device)
@@ -362,6 +363,14 @@ class Scheduler:
             "reserved_pages": self.kv.reserved_pages,
         }
 
+    def _eager_event(self, batch: Batch, fields: dict[str, Any]) -> str:
+        """The trace event of a CUDA step that replayed no graph: a decode batch past the largest graph (or no
+        graphs), a prefill batch past the largest prefill graph's token count (or none)."""
+        engine = self.engine
+        if batch.is_decode:
+            return f"graph_miss:bs={batch.size}" if engine.graphs is not None else "eager"
+        return f"prefill_eager:tokens={fields['tokens']}" if engine.prefill_graphs is not None else "prefill_eager"
+
     def _prepare(self, batch: Batch) -> StepInputs:
         """Allocate KV slots for the batch's new tokens; the engine's inputs for it."""
         for req in batch.reqs:
@@ -388,8 +397,8 @@ class Scheduler:
             if gpu is not None:
                 gpu[1].record()
             clock.launched = time.perf_counter()
-            if batch.is_decode and self.engine.device.type == "cuda" and not self.engine.last_launch_replayed:
-                clock.events.append(f"graph_miss:bs={batch.size}" if self.engine.graphs is not None else "eager")
+            if self.engine.device.type == "cuda" and not self.engine.last_launch_replayed:
+                clock.events.append(self._eager_event(batch, fields))
             trace.record(clock, fields, gpu)
         # The KV of these positions is (or, on the device queue, will be) written.
         for req in batch.reqs:

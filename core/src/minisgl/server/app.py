@@ -39,7 +39,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 # What the engine was built with (as the "model ready" log line says), in the model card for clients and operators.
 _ENGINE_KEYS = (
     "architecture", "device", "tp", "attention_backend", "prefix_cache", "kv_pages", "page_size", "kv_cache_dtype",
-    "max_running_requests", "chunked_prefill_size", "cuda_graphs", "overlap_schedule",
+    "max_running_requests", "chunked_prefill_size", "cuda_graphs", "prefill_graph_max_tokens", "overlap_schedule",
 )  # fmt: skip
 # Union alternatives show up in an error's location ("stop", "list[str]", 0); they are not field names.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
