@@ -38,7 +38,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def _llm(path: Path, attn: str, max_tokens: int, **kw: object) -> LLM:
-    kw = {"max_running_requests": 16, "chunked_prefill_size": 384, **kw}
+    kw = {"max_running_requests": 16, "chunked_prefill_size": 512, **kw}
     return LLM(  # type: ignore[arg-type]
         str(path), device="cuda", dtype="bfloat16", attention_backend=attn, cuda_graph_max_tokens=max_tokens, **kw
     )
@@ -50,7 +50,7 @@ def pair(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[LLM,
     graphs = _llm(model_dir, request.param, MAX_TOKENS)
     eager = _llm(model_dir, request.param, 0)
     assert graphs.engine.prefill_graphs is not None and eager.engine.prefill_graphs is None
-    assert graphs.engine.prefill_graphs.max_tokens == MAX_TOKENS  # below chunked_prefill + running (400)
+    assert graphs.engine.prefill_graphs.max_tokens == MAX_TOKENS  # below chunked_prefill + running (528)
     yield graphs, eager
     graphs.close()
     eager.close()
