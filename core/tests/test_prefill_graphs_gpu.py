@@ -94,7 +94,7 @@ def test_prefill_logits_match_eager(pair: tuple[LLM, LLM], lengths: list[int]) -
 
 
 def test_greedy_with_mixed_steps_matches_eager(pair: tuple[LLM, LLM]) -> None:
-    """Prompts arriving while others decode (16 running, 384-token chunks): mixed steps of decode tokens and
+    """Prompts arriving while others decode (16 running, 512-token chunks): mixed steps of decode tokens and
     prompt chunks, prefix reuse (every prompt shares a 40-token head), all through the graphs."""
     graphs, eager = pair
     head = random_prompts([40], 512, seed=3)[0]
