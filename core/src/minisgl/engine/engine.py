@@ -305,6 +305,11 @@ class Engine:
             return None  # attention runs eagerly between the graphs: any backend will do
         return PrefillGraphRunner(self.model, self.attn, max_tokens=max_tokens, device=self.device)
 
+    @property
+    def prefill_graph_max_tokens(self) -> int:
+        """The largest prefill or mixed step (tokens) that replays prefill graphs; 0 without them."""
+        return self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 0
+
     def _moe_capturable(self) -> bool:
         return self.moe_backend is None or self.moe_backend.supports_cuda_graph
 

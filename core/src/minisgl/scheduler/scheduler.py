@@ -115,7 +115,7 @@ class Scheduler:
                 "admit_reserve_tokens": cfg.admit_reserve_tokens,
                 "overlap_schedule": cfg.overlap_schedule,
                 "cuda_graphs": engine.graphs is not None,
-                "prefill_graph_max_tokens": engine.prefill_graphs.max_tokens if engine.prefill_graphs else 0,
+                "prefill_graph_max_tokens": engine.prefill_graph_max_tokens,
             }
             try:
                 self.trace = StepTrace(cfg.trace_steps, header, engine.device)

@@ -290,7 +290,7 @@ def scheduler_main(launch: bytes) -> None:
             "attention_backend": ",".join(spec.name for spec in engine.attn_specs),
             "prefix_cache": type(sched.kv.cache).__name__,
             "cuda_graphs": engine.graphs is not None,
-            "prefill_graph_max_tokens": engine.prefill_graphs.max_tokens if engine.prefill_graphs else 0,
+            "prefill_graph_max_tokens": engine.prefill_graph_max_tokens,
             "overlap_schedule": bool(sched.overlap),
         }
         status.ready(info, progress.probe)
