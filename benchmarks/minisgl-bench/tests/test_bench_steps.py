@@ -69,3 +69,17 @@ def test_a_file_that_is_not_a_trace_is_named(tmp_path: Path, capsys) -> None:  #
     bad.write_text('{"not": "a trace"}\n')
     assert bench_main(["steps", str(bad)]) == 2
     assert "not a step trace header" in capsys.readouterr().err
+
+
+def test_the_token_gap_counts_each_interval_once_per_decoding_request() -> None:
+    # Nine 2 ms steps decoding one request each, then one 50 ms step followed by a step decoding 99 requests:
+    # by step the long interval is one in ten (p50 2 ms), by token it is what 99 of 108 tokens waited.
+    t, steps = 0.0, []
+    for ms, decoding in [(2.0, 1)] * 9 + [(50.0, 1), (2.0, 99)]:
+        steps.append({"t": t, "kind": "decode", "decode_reqs": decoding, "host_ms": ms, "gpu_ms": ms})
+        t += ms / 1000.0
+    summary = summarize_steps(steps)
+    assert abs(summary["interval_ms"]["p50"] - 2.0) < 1e-6
+    gap = summary["token_gap_ms"]
+    assert gap["tokens"] == 9 + 99 and abs(gap["p50"] - 50.0) < 1e-6 and abs(gap["p99"] - 50.0) < 1e-6
+    assert summarize_steps(steps[:1])["token_gap_ms"] == {"p50": None, "p99": None, "tokens": 0}

@@ -1,12 +1,14 @@
 """Time each FP8 GEMM path against the bf16 matmul at Qwen3-8B's linear shapes (CUDA).
 
-    python plugins/minisgl-plugin-fp8/gpu/bench_gemm.py --out fp8-gemm.json [--m 1,16,64,256,2048,8192]
+    python plugins/minisgl-plugin-fp8/gpu/bench_gemm.py --out fp8-gemm.json [--m 1,16,64,256,2048,8192] [--graph]
 
 Paths: ``bf16`` (``F.linear``, the unquantized baseline), ``scaled_mm`` (per-token x per-channel through
 ``torch._scaled_mm``, activation quantization included), ``block`` (the Triton block kernel, 128x128 weight
 blocks, activation quantization included), ``dequant`` (de-quantize then bf16 matmul, the fallback) and
 ``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
-Each is timed with CUDA events (median of ``--iters`` after ``--warmup``) and reported with TFLOP/s
+Each is timed with CUDA events (median of ``--iters`` after ``--warmup``; with ``--graph``, each timing replays
+a CUDA graph of 20 calls, which leaves out the host's launch cost as the engine's decode graphs do, and is
+divided by 20) and reported with TFLOP/s
 (``2 M N K`` per call) and its relative error against float32 of the de-quantized weights. Prints a table
 and writes JSON (machine, torch version, rows).
 """
@@ -41,6 +43,24 @@ def time_call(fn: Callable[[], object], warmup: int, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+GRAPH_CALLS = 20
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured ``GRAPH_CALLS`` times in one CUDA graph (after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return graph.replay
 
 
 def paths(
@@ -84,6 +104,7 @@ def main() -> None:
     parser.add_argument("--m", default="1,16,64,256,2048,8192", help="token counts, comma-separated")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--graph", action="store_true", help="time CUDA graph replays (device time only)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
@@ -95,7 +116,10 @@ def main() -> None:
         for m in [int(v) for v in args.m.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for path, (call, ref) in paths(x, w, n, k).items():
-                ms = time_call(call, args.warmup, args.iters)
+                if args.graph:
+                    ms = time_call(graphed(call), args.warmup, args.iters) / GRAPH_CALLS
+                else:
+                    ms = time_call(call, args.warmup, args.iters)
                 err = float((call().float() - ref).norm() / ref.norm())
                 tflops = 2 * m * n * k / (ms * 1e-3) / 1e12
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "path": path, "ms": ms, "tflops": tflops})
@@ -105,6 +129,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
         "torch": torch.__version__,
+        "timing": "cuda-graph" if args.graph else "eager",
         "rows": rows,
     }
     with open(args.out, "w") as f:

@@ -4,9 +4,10 @@ Reads a step trace (``minisgl serve --trace-steps FILE``; ``.gz`` too) and, give
 of the same server, splits the steps by run (each run's ``start_unix`` and ``duration_s``). Per run and step
 kind (decode, mixed, prefill): how many, their share of the host time, host and device time (median and p99),
 prefill tokens, running requests, and for mixed steps a least-squares fit ``device ms = fixed + per token x
-prefill tokens``, which tells a step's fixed cost (launches, planning) from its work. Also the step interval
-(what a stream waits between two tokens at most once per step) and the stall events. ``--json`` writes the
-same numbers.
+prefill tokens``, which tells a step's fixed cost (launches, planning) from its work. Also the step interval,
+the token gap (the server-side inter-token latency: each step's interval counted once for every request that
+decodes a token in it, which is what a stream waits between two of its tokens, whatever the client's chunking)
+and the stall events. ``--json`` writes the same numbers.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return float(intercept), float(slope)
 
 
+def _weighted_pct(values: list[float], weights: list[float], p: float) -> float | None:
+    """The ``p`` quantile (0-1) of ``values`` where each counts ``weights`` times (the lower value at a tie)."""
+    total = float(sum(weights))
+    if not values or total <= 0:
+        return None
+    order = np.argsort(values)
+    cum = np.cumsum(np.asarray(weights, dtype=float)[order])
+    return float(np.asarray(values, dtype=float)[order][min(int(np.searchsorted(cum, p * total)), len(values) - 1)])
+
+
 def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The numbers above for one window of steps (ordered by time)."""
     steps = sorted(steps, key=lambda s: s["t"])
@@ -45,6 +56,13 @@ def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": len(steps)}
     interval = [(b["t"] - a["t"]) * 1000.0 for a, b in zip(steps, steps[1:], strict=False)]
     out["interval_ms"] = {"p50": _pct(interval, 0.5), "p99": _pct(interval, 0.99), "max": max(interval, default=None)}
+    # A request decoding in step b got its previous token from the step before: it waited b's interval.
+    weights = [float(b.get("decode_reqs", 0)) for b in steps[1:]]
+    out["token_gap_ms"] = {
+        "p50": _weighted_pct(interval, weights, 0.5),
+        "p99": _weighted_pct(interval, weights, 0.99),
+        "tokens": int(sum(weights)),
+    }
     out["events"] = dict(Counter(e.split(":", 1)[0] for s in steps for e in s.get("events", ())))
     for kind in KINDS:
         group = [s for s in steps if s.get("kind") == kind]
@@ -94,10 +112,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def format_report(rows: list[tuple[str, dict[str, Any]]]) -> str:
     lines = []
     for name, summary in rows:
-        iv = summary["interval_ms"]
+        iv, gap = summary["interval_ms"], summary["token_gap_ms"]
         lines.append(
             f"{name}: {summary['steps']} steps; interval p50 {_fmt(iv['p50'])} p99 {_fmt(iv['p99'])} "
-            f"max {_fmt(iv['max'], 1)} ms; events {summary['events'] or '-'}"
+            f"max {_fmt(iv['max'], 1)} ms; token gap p50 {_fmt(gap['p50'])} p99 {_fmt(gap['p99'])} ms; "
+            f"events {summary['events'] or '-'}"
         )
         for kind in KINDS:
             e = summary.get(kind)
