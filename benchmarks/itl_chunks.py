@@ -98,7 +98,7 @@ def main() -> None:
         sim = simulate(window, lengths, 200000)
         itl = run.get("itl_ms", {})
         row = {
-            "tokens_per_chunk": run["total_output_tokens"] / max(1, run.get("text_chunks") or 1),
+            "tokens_per_chunk": run["total_output_tokens"] / run["text_chunks"] if run.get("text_chunks") else None,
             "client_itl_ms": {"p50": itl.get("p50"), "p99": itl.get("p99")},
             "token_gap_ms": {"p50": _pct(token_gaps, 50), "p99": _pct(token_gaps, 99)},
             "simulated_itl_ms": {"p50": _pct(sim, 50), "p99": _pct(sim, 99)},
@@ -108,8 +108,9 @@ def main() -> None:
         def pair(d: dict[str, float | None]) -> str:
             return "/".join("-" if v is None else f"{v:.1f}" for v in (d["p50"], d["p99"]))
 
+        per_chunk = "-" if row["tokens_per_chunk"] is None else f"{row['tokens_per_chunk']:.2f}"
         print(
-            f"{_run_name(run):>14} {row['tokens_per_chunk']:9.2f} {pair(row['client_itl_ms']):>19} "
+            f"{_run_name(run):>14} {per_chunk:>9} {pair(row['client_itl_ms']):>19} "
             f"{pair(row['token_gap_ms']):>18} {pair(row['simulated_itl_ms']):>18}"
         )
     if args.json:

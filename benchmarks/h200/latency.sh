@@ -5,7 +5,7 @@
 # servers' logs kept beside the JSON. RATES (default "inf 32 8"), REPEAT (default 3), ORDER (default
 # "minisgl peer"), MODEL_CONFIG (a config.json for both; default the 0.6B one) and TAG (file-name suffix) vary it.
 # Carry .whl and .peer; MINISGL_COMMIT names the commit. Ends every server a previous call left first.
-# What comes back (at most 8 files): each server's JSON, minisgl's trace gzipped with its `bench steps`
+# What comes back (at most 8 files): each server's JSON, minisgl's trace (gzipped by bench serve) with its `bench steps`
 # report, and logs.tgz (the server logs and log.txt).
 set -uo pipefail
 export LIMIT=${LIMIT:-580}
@@ -27,10 +27,8 @@ for system in ${ORDER:-minisgl peer}; do
       "python3 -m minisgl serve --model $MODEL --load-format dummy --max-model-len 4096 --port 30000 --log-level warning ${MINISGL_ARGS:-}"
   fi
 done
-for t in "$OUT"/*.trace.jsonl; do
-  [ -f "$t" ] || continue
-  python3 -m minisgl bench steps "$t" --record "${t%.trace.jsonl}.json" > "${t%.trace.jsonl}.steps.txt" 2>&1
-  gzip -f "$t"
+for t in "$OUT"/*.trace.jsonl.gz; do
+  [ -f "$t" ] && python3 -m minisgl bench steps "$t" --record "${t%.trace.jsonl.gz}.json" > "${t%.trace.jsonl.gz}.steps.txt" 2>&1
 done
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
 (cd "$OUT" && tar czf logs.tgz --remove-files *.server.log log.txt 2>/dev/null)

@@ -160,3 +160,51 @@ def test_hurry_cuts_the_grace_short(tmp_path: Path) -> None:
 
     stop_group(proc, grace=600.0, hurry=hurry)  # would wait ten minutes without hurry
     assert proc.returncode == -signal.SIGKILL and len(calls) == 3
+
+
+def test_a_stop_signal_after_a_finished_run_writes_the_finished_runs(tmp_path: Path) -> None:
+    import json
+    import queue
+    import threading
+
+    from minisgl.testing.models import save_word_tokenizer
+
+    tokenizer = tmp_path / "tokenizer"
+    save_word_tokenizer(tokenizer, 20_001)
+    port = _free_port()
+    server = f"{sys.executable} -m minisgl_bench.serve_fake --port {port} --interval 0.002"
+    cmd = [sys.executable, "-m", "minisgl_bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    cmd += ["--launch", server, "--tokenizer", str(tokenizer), "--label", "cut"]
+    # The all-at-once run ends in well under a second; the second one, at a request every 20 s, outlasts the test.
+    cmd += ["--num-requests", "3", "--warmup", "0", "--input-len", "4", "8", "--output-len", "2", "3"]
+    cmd += ["--rate", "inf", "0.05", "--no-progress", "--stop-grace", "10", "--output", str(tmp_path / "out")]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert bench.stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in bench.stdout or ()], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the first run's row: the all-at-once run is done
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line.split()[:1] == ["inf"]:
+                break
+        time.sleep(0.5)  # the second run has begun
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=60)
+        err = bench.stderr.read() if bench.stderr else ""
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: writing the 1 finished run(s)" in err and "server log: " in err
+    record = json.loads((tmp_path / "out" / "cut.json").read_text())
+    assert record["interrupted"] == "SIGTERM"
+    assert [r["rate"] for r in record["runs"]] == ["inf"] and record["runs"][0]["completed"] == 3
+    assert [s["rate"] for s in record["summary"]] == ["inf"]
+    assert not _listening(port)  # the launched server is gone
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -4,6 +4,7 @@ hits, the step trace (``--trace``), and the plots drawn from them (sweep, timeli
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import statistics
@@ -315,10 +316,11 @@ def test_trace_asks_the_launched_server_once_and_keeps_the_file_beside_the_json(
     argv += ["--rate", "200", "inf", "--repeat", "2", "--no-progress", "--output", str(tmp_path), "--label", "tr"]
     assert serve.main(argv) == 0
     record = json.loads((tmp_path / "tr.json").read_text())
-    trace = tmp_path / "tr.trace.jsonl"
-    assert record["launch"]["command"] == f"{server} --trace-steps {trace}"
-    assert record["launch"]["trace"] == "tr.trace.jsonl"
-    lines = trace.read_text().splitlines()
+    trace = tmp_path / "tr.trace.jsonl.gz"  # the server writes tr.trace.jsonl; the benchmark keeps it gzipped
+    assert record["launch"]["command"] == f"{server} --trace-steps {tmp_path / 'tr.trace.jsonl'}"
+    assert record["launch"]["trace"] == "tr.trace.jsonl.gz" and not (tmp_path / "tr.trace.jsonl").exists()
+    with gzip.open(trace, "rt") as f:
+        lines = f.read().splitlines()
     assert sum('"trace": "minisgl-steps"' in line for line in lines) == 1  # one server for every rate and repeat
     header, steps = read_trace(trace)
     assert header["pid"] and steps and all(s["reqs"] >= 1 for s in steps)

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gzip
 import json
 import math
 import shlex
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +40,7 @@ import numpy as np
 
 from .offline import _git_commit, _machine, write_record
 from .serve_client import RequestResult, Target, get_json, stream
-from .serve_launch import launched
+from .serve_launch import launched, stop_on_signal
 from .serve_summary import HEADER, aggregate, cache_figures, crossing_rate, run_row, summary_table
 from .serve_workloads import Conversation, Workload, arrival_times, build_workload, load_decode
 
@@ -306,7 +309,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trace",
         action="store_true",
-        help="with --launch: append --trace-steps LABEL.trace.jsonl (beside the JSON) to the server's command",
+        help="with --launch: append --trace-steps to the server's command; the trace is kept gzipped beside the JSON"
+        " (LABEL.trace.jsonl.gz)",
     )
     p.add_argument(
         "--keep-server-log",
@@ -443,15 +447,34 @@ def _trace_path(args: argparse.Namespace, label: str) -> Path | None:
 
 
 def _kept_trace(path: Path) -> str | None:
-    """The trace's file name for the record (it lies beside the JSON), or None when the server wrote none."""
-    if path.is_file() and path.stat().st_size > 0:
-        return path.name
-    print(f"--trace: the launched server wrote no step trace to {path} (does it take --trace-steps?)", file=sys.stderr)
+    """Compress the server's trace to ``LABEL.trace.jsonl.gz`` beside the JSON (the readers take either) and
+    return its file name for the record; None when the server wrote none."""
+    if not (path.is_file() and path.stat().st_size > 0):
+        print(
+            f"--trace: the launched server wrote no step trace to {path} (does it take --trace-steps?)", file=sys.stderr
+        )
+        return None
+    packed = path.with_name(path.name + ".gz")
+    with path.open("rb") as src, gzip.open(packed, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return packed.name
+
+
+def _stop_signal(exc: SystemExit) -> str | None:
+    """The stop signal's name when ``exc`` is how a stop signal ended the benchmark (``128 + signal``)."""
+    if isinstance(exc.code, int) and exc.code > 128:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(exc.code - 128).name
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``minisgl bench serve`` with ``argv`` (default: the command line); write the JSON record."""
+    """Run ``minisgl bench serve`` with ``argv`` (default: the command line); write the JSON record.
+
+    A stop signal (SIGTERM, SIGINT, SIGHUP) ends the benchmark early: the launched server is stopped, and when
+    at least one run finished, the record of the finished runs is written with ``"interrupted"`` naming the
+    signal (and the exit status is still ``128 + signal``)."""
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     record: dict[str, Any] = {
@@ -464,28 +487,50 @@ def main(argv: list[str] | None = None) -> int:
     }
     trace = _trace_path(args, record["label"])
     command = args.launch if trace is None else f"{args.launch} --trace-steps {shlex.quote(str(trace))}"
+    stopped: SystemExit | None = None
+    launch: dict[str, Any] | None = None
     with _runner() as runner:
-        if command is None:
-            runner.run(_bench(args, record))
-        else:
-            url = Target.from_url(args.base_url).url
-            with launched(command, url, args.launch_timeout, args.stop_grace) as launch:
-                record["launch"] = launch
-                runner.run(_bench(args, record))
-            if trace is not None:
-                launch["trace"] = _kept_trace(trace)
-            log = Path(str(launch.pop("log")))
-            if args.keep_server_log:
-                kept = Path(args.output) / f"{record['label']}.server.log"
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(log, kept)
-                launch["server_log"] = kept.name
-            elif any(r["errors"] for r in record["runs"]) or record.get("warmup", {}).get("errors"):
-                print(f"server log (requests failed): {log}", file=sys.stderr)
+        try:
+            if command is None:
+                with stop_on_signal():
+                    runner.run(_bench(args, record))
             else:
-                log.unlink(missing_ok=True)
+                url = Target.from_url(args.base_url).url
+                with launched(command, url, args.launch_timeout, args.stop_grace) as launch:
+                    record["launch"] = launch
+                    runner.run(_bench(args, record))
+        except SystemExit as exc:
+            if _stop_signal(exc) is None:
+                raise
+            stopped = exc
+            record["interrupted"] = _stop_signal(exc)
+    if launch is not None:
+        if trace is not None:
+            launch["trace"] = _kept_trace(trace)
+        log = Path(str(launch.pop("log")))
+        if args.keep_server_log:
+            kept = Path(args.output) / f"{record['label']}.server.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(log, kept)
+            launch["server_log"] = kept.name
+        elif (
+            stopped is not None
+            or any(r["errors"] for r in record.get("runs", ()))
+            or record.get("warmup", {}).get("errors")
+        ):
+            print(f"server log: {log}", file=sys.stderr)
+        else:
+            log.unlink(missing_ok=True)
+    if stopped is not None:
+        if not record.get("runs"):
+            raise stopped  # nothing measured: nothing to write
+        record["summary"] = aggregate(record["runs"])
+        record["ttft_p99_crossing"] = crossing_rate(record["summary"], args.ttft_target_ms)
+        print(f"{record['interrupted']}: writing the {len(record['runs'])} finished run(s)", file=sys.stderr)
     record["machine"] = {**_machine("cuda"), "event_loop": _event_loop_name()}
     write_record(args.output, record["label"], record)
+    if stopped is not None:
+        raise stopped
     return 0
 
 

@@ -56,7 +56,8 @@ class _StopOnSignal:
     Outside the main thread (where Python cannot set handlers) it does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, action: str = "stopping the launched server") -> None:
+        self.action = action  # what the message says happens next
         self.stopping = False
         self.hurry = False
         self._previous: dict[int, Any] = {}
@@ -67,7 +68,7 @@ class _StopOnSignal:
             return
         self.stopping = True
         name = signal.Signals(signum).name
-        print(f"{name}: stopping the launched server", file=sys.stderr, flush=True)
+        print(f"{name}: {self.action}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
     def __enter__(self) -> _StopOnSignal:
@@ -79,6 +80,14 @@ class _StopOnSignal:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stop_on_signal() -> Iterator[None]:
+    """The stop signals raise ``SystemExit(128 + signal)`` inside the block (a benchmark without a launched
+    server: it ends early, as with one)."""
+    with _StopOnSignal("stopping"):
+        yield
 
 
 @contextlib.contextmanager

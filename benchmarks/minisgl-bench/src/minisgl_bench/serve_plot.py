@@ -6,7 +6,7 @@
   line per label (several files of one label, e.g. one per rate, make one line), the spread
   over repeats as bars, the TTFT target as a line, and the rate where p99 crosses it printed;
 - ``--kind timeline``: one record and its server's step trace (``--trace``, default the
-  record's own ``LABEL.trace.jsonl``): batch size, step time and each request's TTFT over time.
+  record's own ``LABEL.trace.jsonl.gz``): batch size, step time and each request's TTFT over time.
 
 Points are medians over ``--repeat`` runs. Drawing needs matplotlib (a dependency of
 minisgl-bench); the data behind each plot is prepared without it (``serve_summary``,
