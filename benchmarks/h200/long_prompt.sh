@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on a lent H200: what a long prompt does to the streams already decoding, with prefill chunks mixed
+# into decode steps (--mixed-prefill, the default) and without (a step is a prefill while prompt tokens wait).
+# 1. benchmarks/long_prompt_gap.py in-process: STREAMS streams (default 64) decode, then one prompt of PROMPT_LEN
+#    tokens (default 8000) arrives; the streams' median and longest gap, the long prompt's TTFT. Qwen3-0.6B shapes,
+#    then MODEL_CONFIG's (default Qwen3-8B's), dummy weights.
+# 2. `minisgl serve` under the long-prompt workload (256 streamed chats of 2,048-3,072 prompt tokens and 16-64
+#    output tokens) at RATES (default "4 8"), REPEAT times (default 2), mixed on and off, with the step trace.
+# Carry .whl and .peer/model (../shared/bench/peer/setup.sh). Results in $OUT: JSON, traces, steps reports, logs.tgz.
+set -uo pipefail
+export LIMIT=${LIMIT:-560}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source benchmarks/h200/setup.sh
+export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
+BIG=/tmp/long-prompt-model-$$
+mkdir -p $BIG && cp .peer/model/* $BIG/ && cp "${MODEL_CONFIG:-benchmarks/minisgl-bench/src/minisgl_bench/configs/qwen3-8b.json}" $BIG/config.json
+GAP="python3 benchmarks/long_prompt_gap.py --device cuda --load-format dummy --streams ${STREAMS:-64}"
+GAP="$GAP --prompt-len ${PROMPT_LEN:-8000} --chunk 8192 --max-model-len 16384"
+step 120 $GAP --model .peer/model --output "$OUT/long-prompt-gap-0.6b.json"
+step 150 $GAP --model $BIG --output "$OUT/long-prompt-gap-8b.json"
+BENCH="python3 -m minisgl bench serve --workload long-prompt --tokenizer .peer/model --rate ${RATES:-4 8}"
+BENCH="$BENCH --repeat ${REPEAT:-2} --warmup 16 --no-progress --keep-server-log --output $OUT --trace"
+for variant in mixed prefill-first; do
+  args=""; [ $variant = prefill-first ] && args="--no-mixed-prefill"
+  step 130 $BENCH --label long-prompt-$variant --base-url http://127.0.0.1:30000 --launch-timeout 150 --launch \
+    "python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning $args"
+done
+for t in "$OUT"/*.trace.jsonl.gz; do
+  [ -f "$t" ] && python3 -m minisgl bench steps "$t" --record "${t%.trace.jsonl.gz}.json" > "${t%.trace.jsonl.gz}.steps.txt" 2>&1
+done
+echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
+(cd "$OUT" && tar czf logs.tgz --remove-files *.server.log *.steps.txt log.txt 2>/dev/null)
