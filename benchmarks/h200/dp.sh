@@ -11,8 +11,6 @@
 # wheel is 30 MB (leave nvidia_cudnn_frontend out of .whl for this call; none of these runs needs it).
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 python3 -c "import sglang_router, setproctitle; print('sglang-router', sglang_router.__version__)" | tee -a "$OUT/log.txt" \

@@ -5,8 +5,6 @@
 # decode, and the fa plugin's GPU tests. Carry plugins/minisgl-plugin-fa/build/gpu-b.
 set -uo pipefail
 export LIMIT=${LIMIT:-520}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 b=plugins/minisgl-plugin-fa/build/gpu-b fa_site=/tmp/site-fa
 cat /tmp/fa-stage/cu13.part0 $b/cu13.part[1-9] > /tmp/fa-stage/dsl.tar.xz

@@ -6,8 +6,6 @@
 # (the peer's lines in log.txt: it prints one JSON line per run).
 set -uo pipefail
 export LIMIT=${LIMIT:-570}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 use_peer

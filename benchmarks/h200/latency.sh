@@ -11,8 +11,6 @@
 # report, and logs.tgz (the server logs and log.txt).
 set -uo pipefail
 export LIMIT=${LIMIT:-580}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 use_peer

@@ -7,8 +7,6 @@
 # MINISGL_COMMIT and BASE_COMMIT name the two trees. Results in $OUT.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 b=plugins/minisgl-plugin-fa/build/gpu-b fa_site=/tmp/site-fa
 if [ -f /tmp/fa-stage/cu13.part0 ] && [ -d $b ]; then

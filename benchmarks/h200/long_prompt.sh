@@ -9,8 +9,6 @@
 # Carry .whl and .peer/model (../shared/bench/peer/setup.sh). Results in $OUT: JSON, traces, steps reports, logs.tgz.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 BIG=/tmp/long-prompt-model-$$

@@ -5,8 +5,6 @@
 # MINISGL_COMMIT names the commit under test. Results go to $OUT. Run from the repository root.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a $OUT/log.txt
 export TRITON_CACHE_DIR=/tmp/triton-fresh-$$

@@ -7,8 +7,6 @@
 # One sweep is one draw: docs/benchmarks/h200-2026-12-01-final says how far runs of one tree spread.
 set -uo pipefail
 export LIMIT=${LIMIT:-520}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 # The xgrammar library is not on the H200 (its plugin is, by folder); these workloads send no grammar.
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}

@@ -6,8 +6,6 @@
 # a full garbage collection over 50 ms is one).
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 # The xgrammar library is not on the H200 (its plugin is, by folder); this workload sends no grammar.
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}

@@ -4,8 +4,6 @@
 # Poisson 32 req/s, the protocol's online workload). Carry .whl and .peer. Results: JSON in $OUT.
 set -uo pipefail
 export LIMIT=${LIMIT:-330}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh > /dev/null 2>&1
 export PYTHONPATH=/tmp/site-fa:/tmp/site-fa/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa-cute-cache

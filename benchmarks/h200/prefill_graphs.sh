@@ -7,8 +7,6 @@
 # (the model directory ../shared/bench/peer/setup.sh makes). Results: JSON, traces and logs in $OUT.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 step ${TEST_LIMIT:-170} python3 -m pytest -q -m cuda -p no:cacheprovider core/tests/test_prefill_graphs_gpu.py

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Sourced by the scripts in benchmarks/h200/ (and tests/gpu_suite.sh) on a lent H200 host: installs the
-# carried wheels into /tmp/site, puts the project's sources on PYTHONPATH (the core, every plugin under
-# plugins/, found by its folder, and the benchmarks, benchmarks/minisgl-bench) and writes the dist-info
-# metadata that makes the plugins' entry points visible (they are not pip-installed there).
+# Sourced by the scripts in benchmarks/h200/ (and tests/gpu_suite.sh) on a lent H200 host: makes $OUT
+# (default /tmp/out), installs the carried wheels into /tmp/site, puts the project's sources on PYTHONPATH
+# (the core, every plugin under plugins/, found by its folder, and the benchmarks, benchmarks/minisgl-bench)
+# and writes the dist-info metadata that makes the plugins' entry points visible (they are not pip-installed
+# there).
 # Ends, by PID, every server, replica and router an earlier call left on this host (each holds GPU memory and
 # would make this call fail or lie). Defines `step LIMIT CMD...` and `use_peer` (Mini-SGLang's wheels, PEER_ENV).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}  # the call's results (what the device tool brings back), and log.txt
+mkdir -p "$OUT"
 for pid in $(pgrep -f "minisgl (serve|--model-path)|sglang_router" || true); do
   [ "$pid" != $$ ] && kill -9 "$pid" 2>/dev/null
 done

@@ -8,8 +8,6 @@
 # suite-logs.tgz, plugins.txt, trtllm_decode.json, log.txt.
 set -uo pipefail
 export LIMIT=${LIMIT:-510} MAX_JOBS=16
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 source benchmarks/h200/setup.sh
 [ -d plugins/minisgl-plugin-fa/build/gpu-a ] && mkdir -p /tmp/fa-stage && cp plugins/minisgl-plugin-fa/build/gpu-a/cu13.part0 /tmp/fa-stage/
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/log.txt"
