@@ -28,8 +28,4 @@ for system in ${ORDER:-minisgl peer}; do
       "python3 -m minisgl serve --model $MODEL --load-format dummy --max-model-len 4096 --port 30000 --log-level warning ${MINISGL_ARGS:-}"
   fi
 done
-for t in "$OUT"/*.trace.jsonl.gz; do
-  [ -f "$t" ] && python3 -m minisgl bench steps "$t" --record "${t%.trace.jsonl.gz}.json" > "${t%.trace.jsonl.gz}.steps.txt" 2>&1
-done
-echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
-(cd "$OUT" && tar czf logs.tgz --remove-files *.server.log log.txt 2>/dev/null)
+finish

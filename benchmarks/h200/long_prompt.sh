@@ -24,8 +24,4 @@ for variant in mixed prefill-first; do
   step 130 $BENCH --label long-prompt-$variant --base-url http://127.0.0.1:30000 --launch-timeout 150 --launch \
     "python3 -m minisgl serve --model .peer/model --load-format dummy --max-model-len 4096 --port 30000 --log-level warning $args"
 done
-for t in "$OUT"/*.trace.jsonl.gz; do
-  [ -f "$t" ] && python3 -m minisgl bench steps "$t" --record "${t%.trace.jsonl.gz}.json" > "${t%.trace.jsonl.gz}.steps.txt" 2>&1
-done
-echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
-(cd "$OUT" && tar czf logs.tgz --remove-files *.server.log *.steps.txt log.txt 2>/dev/null)
+finish '*.steps.txt'

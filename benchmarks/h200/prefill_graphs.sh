@@ -17,5 +17,4 @@ for variant in ${ORDER:-graphs eager}; do
   step 200 $BENCH --label online-prefill-$variant --base-url http://127.0.0.1:30000 --launch-timeout 180 --launch \
     "python3 -m minisgl serve --model $MODEL --load-format dummy --max-model-len 4096 --port 30000 --log-level info $args"
 done
-for t in "$OUT"/*.trace.jsonl.gz; do [ -f "$t" ] && python3 -m minisgl bench steps "$t" > "${t%.trace.jsonl.gz}.steps.txt" 2>&1; done
-echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
+finish

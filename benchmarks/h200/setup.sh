@@ -5,7 +5,8 @@
 # and writes the dist-info metadata that makes the plugins' entry points visible (they are not pip-installed
 # there).
 # Ends, by PID, every server, replica and router an earlier call left on this host (each holds GPU memory and
-# would make this call fail or lie). Defines `step LIMIT CMD...` and `use_peer` (Mini-SGLang's wheels, PEER_ENV).
+# would make this call fail or lie). Defines `step LIMIT CMD...`, `use_peer` (Mini-SGLang's wheels, PEER_ENV)
+# and `finish` (reports and packing at the end).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}  # the call's results (what the device tool brings back), and log.txt
 mkdir -p "$OUT"
@@ -29,4 +30,14 @@ use_peer() {
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/psite \
     $(ls .whl/*.whl | grep -v typing_extensions) .peer/whl/*.whl 2>&1 | tail -n 2
   PEER_ENV="env PYTHONPATH=/tmp/psite:$PWD/.peer/python"
+}
+# The end of a benchmark call: `minisgl bench steps` beside each gzipped step trace (split by the runs of its
+# record), the call's time in log.txt, then the server logs, log.txt and the files matching the patterns given
+# (`finish '*.steps.txt'`) packed into logs.tgz (the device tool brings back at most 8 files).
+finish() {
+  for t in "$OUT"/*.trace.jsonl.gz; do
+    [ -f "$t" ] && python3 -m minisgl bench steps "$t" --record "${t%.trace.jsonl.gz}.json" > "${t%.trace.jsonl.gz}.steps.txt" 2>&1
+  done
+  echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
+  (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.server.log $* 2>/dev/null) log.txt)
 }
