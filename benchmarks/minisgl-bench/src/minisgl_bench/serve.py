@@ -406,6 +406,8 @@ async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
         record["warmup"] = {"seconds": warm.duration, "errors": len(failed), "error_messages": failed[:ERRORS_KEPT]}
         if failed:
             print(f"warm-up: {len(failed)} of {len(warm.results)} failed, first: {failed[0]}", file=sys.stderr)
+        else:
+            print(f"warm-up: {len(warm.results)} requests in {warm.duration:.1f} s", file=sys.stderr, flush=True)
     record["runs"] = []
     print(HEADER)
     # The whole sweep once per repeat, so that a drift of the machine spreads over every rate alike.

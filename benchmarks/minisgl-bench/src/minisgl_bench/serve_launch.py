@@ -107,6 +107,7 @@ def launched(command: str, url: str, timeout: float = 600.0, grace: float = 60.0
             print(f"launched (pid {proc.pid}, log {log}): {command}", file=sys.stderr, flush=True)
             info: dict[str, object] = {"command": command, "log": str(log)}
             info["startup_s"] = wait_ready(url, proc, log, timeout)
+            print(f"ready after {info['startup_s']:.1f} s", file=sys.stderr, flush=True)
             yield info
         finally:
             guard.stopping = True
