@@ -42,6 +42,7 @@ def test_the_mixed_steps_cost_is_split_into_fixed_and_per_token() -> None:
     share = sum(10.0 + 100 * (i % 7 + 1) / 1000.0 for i in range(5, 200, 10)) / (20 * 10.0 + 2.0 * 180 + 0.0)
     assert abs(mixed["host_share"] - share) < 0.01
     assert decode["host_ms"]["p50"] == 2.0 and summary["events"] == {"gc": 1}
+    assert summary["gc_ms"] == {"total": 1.0, "max": 1.0}
 
 
 def test_a_record_splits_the_trace_by_run_and_the_cli_prints_and_saves(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

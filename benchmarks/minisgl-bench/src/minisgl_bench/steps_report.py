@@ -49,6 +49,15 @@ def _weighted_pct(values: list[float], weights: list[float], p: float) -> float 
     return float(np.asarray(values, dtype=float)[order][min(int(np.searchsorted(cum, p * total)), len(values) - 1)])
 
 
+def _event_ms(event: str) -> float:
+    """The duration an event such as ``gc:gen1:41.0ms`` ends with (0 when it names none)."""
+    tail = event.rsplit(":", 1)[-1]
+    try:
+        return float(tail[:-2]) if tail.endswith("ms") else 0.0
+    except ValueError:
+        return 0.0
+
+
 def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The numbers above for one window of steps (ordered by time)."""
     steps = sorted(steps, key=lambda s: s["t"])
@@ -64,6 +73,8 @@ def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": int(sum(weights)),
     }
     out["events"] = dict(Counter(e.split(":", 1)[0] for s in steps for e in s.get("events", ())))
+    gc_ms = [_event_ms(e) for s in steps for e in s.get("events", ()) if e.startswith("gc:")]
+    out["gc_ms"] = {"total": sum(gc_ms), "max": max(gc_ms, default=None)}
     for kind in KINDS:
         group = [s for s in steps if s.get("kind") == kind]
         if not group:
@@ -118,6 +129,10 @@ def format_report(rows: list[tuple[str, dict[str, Any]]]) -> str:
             f"max {_fmt(iv['max'], 1)} ms; token gap p50 {_fmt(gap['p50'])} p99 {_fmt(gap['p99'])} ms; "
             f"events {summary['events'] or '-'}"
         )
+        if summary["gc_ms"]["max"] is not None:
+            lines[-1] += (
+                f"; collections {summary['gc_ms']['total']:.1f} ms in all, longest {summary['gc_ms']['max']:.1f}"
+            )
         for kind in KINDS:
             e = summary.get(kind)
             if e is None:
