@@ -3,7 +3,9 @@
 The requests come from the server's own OpenAPI schema (schemathesis): valid
 bodies, and bodies with one part made invalid. The schema is narrowed first so
 that a run stays short on a CPU: ``max_tokens`` is required and at most 4, ``n``
-at most 2, lists and strings short, prompts mostly ones the model can take. The
+at most 2, lists and strings short, prompts and messages mostly ones the model
+can take (integers as enums, messages without the fields that need another
+message or are refused). The
 server's context is small as well, so a request that still asks for a long
 output ends soon. (Valid-schema integers may come as ``4.0``; the server
 refuses those, as OpenAI does, with a 400.)
@@ -30,12 +32,16 @@ API_KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 EXAMPLES = 60  # per operation and generation mode: about two minutes on two CPU cores
 VOCAB = 49152  # SmolLM2's
-TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}, "minItems": 1}
+# Integers come as enums throughout: a generator may write an integer schema's value as 4.0, which the server
+# refuses (strict types, as OpenAI's API), and a run of such bodies would never reach the engine.
+TOKEN_IDS = {"type": "array", "items": {"enum": [0, 1, 42, 1000, 20000, VOCAB - 1]}, "minItems": 1}
 BOUNDED = {
-    # Enums: a generator may write an integer schema's value as 4.0, which the server refuses (strict types).
     "max_tokens": {"enum": [1, 2, 3, 4]},
     "max_completion_tokens": {"enum": [1, 2, 3, 4]},
     "n": {"enum": [1, 2]},
+    "top_k": {"enum": [-1, 1, 5, 40]},
+    "seed": {"anyOf": [{"type": "null"}, {"enum": [0, 1, 12345]}]},
+    "stop_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"enum": [0, 1, 2]}, "maxItems": 3}]},
     "stop": {
         "anyOf": [
             {"type": "null"},
@@ -102,6 +108,17 @@ def bounded_schema(raw: dict[str, Any]) -> dict[str, Any]:
             if field in body["properties"]:
                 body["properties"][field] = bounds
         body["required"] = sorted({*body.get("required", []), "max_tokens"})
+        # top_logprobs is valid only beside logprobs: true (a 400 otherwise; test_api_protocol covers it).
+        body["properties"].pop("top_logprobs", None)
+    # Messages the chat template takes: a tool message needs the id of an assistant's call, and a refusal, a
+    # legacy function_call, audio or a content part of an unknown type is refused (test_api_protocol covers
+    # each); random ones would make nearly every valid body a 400.
+    message = schema["components"]["schemas"]["ChatMessage"]
+    message["properties"]["role"] = {"enum": ["system", "developer", "user", "assistant"]}
+    message["properties"]["content"] = {"type": "string", "minLength": 1}
+    for field in ("tool_call_id", "tool_calls", "function_call", "refusal", "audio"):
+        message["properties"].pop(field, None)
+    message["required"] = ["role", "content"]
     _narrow(schema)
     return schema
 
