@@ -9,7 +9,8 @@ model's whole vocabulary, which can be larger than the tokenizer's), is held bac
 chunk. So a chunk gap is the sum of the server's gaps between several consecutive tokens.
 
 Per run of RECORD this prints the client's ITL p50/p99 and its tokens per chunk (both measured), the server's
-token gap p50/p99 (from the trace: each step's interval once for every request that decodes in it), and the
+token gap p50/p99 (``minisgl bench steps``' figure: each step's interval once for every request that decodes in
+it), and the
 chunk gaps that those server gaps give when tokens are grouped as the detokenizer groups uniformly random ids
 (``--vocab`` of them, the model's vocabulary; replayed through ``IncrementalDetokenizer`` with ``--tokenizer``).
 If the simulated chunk ITL matches the measured one, the client's ITL tail is the chunking, and the server's
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from minisgl_bench.serve_trace import _run_name, read_trace
+from minisgl_bench.steps_report import run_steps, summarize_steps
 from transformers import AutoTokenizer
 
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
@@ -90,17 +92,14 @@ def main() -> None:
         f"{'run':>14} {'tok/chunk':>9} {'client ITL p50/p99':>19} {'token gap p50/p99':>18} {'simulated p50/p99':>18}"
     )
     for run in record.get("runs", ()):
-        begin = float(run["start_unix"])
-        window = [s for s in steps if begin <= s["t"] <= begin + float(run["duration_s"])]
-        gaps_t = np.array([s["t"] for s in window]) * 1000.0
-        w = [float(s.get("decode_reqs", 0)) for s in window[1:]]
-        token_gaps = list(np.repeat(np.diff(gaps_t), np.asarray(w, dtype=int))) if len(window) > 1 else []
+        window = run_steps(steps, run)
+        gap = summarize_steps(window)["token_gap_ms"]
         sim = simulate(window, lengths, 200000)
         itl = run.get("itl_ms", {})
         row = {
             "tokens_per_chunk": run["total_output_tokens"] / run["text_chunks"] if run.get("text_chunks") else None,
             "client_itl_ms": {"p50": itl.get("p50"), "p99": itl.get("p99")},
-            "token_gap_ms": {"p50": _pct(token_gaps, 50), "p99": _pct(token_gaps, 99)},
+            "token_gap_ms": {"p50": gap["p50"], "p99": gap["p99"]},
             "simulated_itl_ms": {"p50": _pct(sim, 50), "p99": _pct(sim, 99)},
         }
         result["runs"][_run_name(run)] = row

@@ -428,9 +428,14 @@ async def _bench(args: argparse.Namespace, record: dict[str, Any]) -> None:
         }
         record["runs"].append(rec)
         print(run_row(rec), flush=True)
+    _summarize(record, args)
+    print(summary_table(record["summary"], record["ttft_p99_crossing"]))
+
+
+def _summarize(record: dict[str, Any], args: argparse.Namespace) -> None:
+    """The record's ``summary`` over its runs (median and spread per rate) and its TTFT p99 crossing rate."""
     record["summary"] = aggregate(record["runs"])
     record["ttft_p99_crossing"] = crossing_rate(record["summary"], args.ttft_target_ms)
-    print(summary_table(record["summary"], record["ttft_p99_crossing"]))
 
 
 def _trace_path(args: argparse.Namespace, label: str) -> Path | None:
@@ -502,10 +507,11 @@ def main(argv: list[str] | None = None) -> int:
                     record["launch"] = launch
                     runner.run(_bench(args, record))
         except SystemExit as exc:
-            if _stop_signal(exc) is None:
+            name = _stop_signal(exc)
+            if name is None:
                 raise
             stopped = exc
-            record["interrupted"] = _stop_signal(exc)
+            record["interrupted"] = name
     if launch is not None:
         if trace is not None:
             launch["trace"] = _kept_trace(trace)
@@ -526,8 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     if stopped is not None:
         if not record.get("runs"):
             raise stopped  # nothing measured: nothing to write
-        record["summary"] = aggregate(record["runs"])
-        record["ttft_p99_crossing"] = crossing_rate(record["summary"], args.ttft_target_ms)
+        _summarize(record, args)
         print(f"{record['interrupted']}: writing the {len(record['runs'])} finished run(s)", file=sys.stderr)
     record["machine"] = {**_machine("cuda"), "event_loop": _event_loop_name()}
     write_record(args.output, record["label"], record)

@@ -101,6 +101,13 @@ def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def run_steps(steps: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The steps that began during ``run`` (a ``bench serve`` run with ``start_unix`` and ``duration_s``)."""
+    begin = float(run["start_unix"])
+    end = begin + float(run["duration_s"])
+    return [s for s in steps if begin <= s["t"] <= end]
+
+
 def report(steps: list[dict[str, Any]], record: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
     """``(name, summary)`` per run of ``record`` (all the steps as one window without a record)."""
     if record is None:
@@ -109,8 +116,7 @@ def report(steps: list[dict[str, Any]], record: dict[str, Any] | None) -> list[t
     for run in record.get("runs", ()):
         if not run.get("start_unix"):
             continue
-        begin, end = float(run["start_unix"]), float(run["start_unix"]) + float(run["duration_s"])
-        out.append((_run_name(run), summarize_steps([s for s in steps if begin <= s["t"] <= end])))
+        out.append((_run_name(run), summarize_steps(run_steps(steps, run))))
     if not out:
         raise ValueError("the record's runs have no start_unix (written by an older minisgl bench serve)")
     return out
