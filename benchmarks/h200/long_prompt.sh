@@ -4,8 +4,9 @@
 # 1. benchmarks/long_prompt_gap.py in-process: STREAMS streams (default 64) decode, then one prompt of PROMPT_LEN
 #    tokens (default 8000) arrives; the streams' median and longest gap, the long prompt's TTFT. Qwen3-0.6B shapes,
 #    then MODEL_CONFIG's (default Qwen3-8B's), dummy weights.
-# 2. `minisgl serve` under the long-prompt workload (256 streamed chats of 2,048-3,072 prompt tokens and 16-64
-#    output tokens) at RATES (default "4 8"), REPEAT times (default 2), mixed on and off, with the step trace.
+# 2. `minisgl serve` under the long-prompt workload (NUM_REQUESTS streamed chats, default 128, of 2,048-3,072
+#    prompt tokens and 16-64 output tokens) at RATES (default "8 16"), REPEAT times (default 2), mixed on and off,
+#    with the step trace.
 # Carry .whl and .peer/model (../shared/bench/peer/setup.sh). Results in $OUT: JSON, traces, steps reports, logs.tgz.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
@@ -17,7 +18,8 @@ GAP="python3 benchmarks/long_prompt_gap.py --device cuda --load-format dummy --s
 GAP="$GAP --prompt-len ${PROMPT_LEN:-8000} --chunk 8192 --max-model-len 16384"
 step 120 $GAP --model .peer/model --output "$OUT/long-prompt-gap-0.6b.json"
 step 150 $GAP --model $BIG --output "$OUT/long-prompt-gap-8b.json"
-BENCH="python3 -m minisgl bench serve --workload long-prompt --tokenizer .peer/model --rate ${RATES:-4 8}"
+BENCH="python3 -m minisgl bench serve --workload long-prompt --tokenizer .peer/model --rate ${RATES:-8 16}"
+BENCH="$BENCH --num-requests ${NUM_REQUESTS:-128}"
 BENCH="$BENCH --repeat ${REPEAT:-2} --warmup 16 --no-progress --keep-server-log --output $OUT --trace"
 for variant in mixed prefill-first; do
   args=""; [ $variant = prefill-first ] && args="--no-mixed-prefill"
