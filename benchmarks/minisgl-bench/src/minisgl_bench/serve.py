@@ -257,7 +257,12 @@ def _parser() -> argparse.ArgumentParser:
         default="random",
         help="random: the benchmark protocol's (default)",
     )
-    p.add_argument("--num-requests", type=_positive, default=256, help="requests per run; shared-prefix: users x turns (default: 256)")
+    p.add_argument(
+        "--num-requests",
+        type=_positive,
+        default=256,
+        help="requests per run; shared-prefix: users x turns (default: %(default)s)",
+    )
     p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt token ids (per workload)")
     p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="max_tokens (per workload)")
     p.add_argument("--turns", type=_positive, default=4, help="shared-prefix: turns per user")
