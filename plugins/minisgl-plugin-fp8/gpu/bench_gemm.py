@@ -5,6 +5,9 @@
 Paths: ``bf16`` (``F.linear``, the unquantized baseline), ``scaled_mm`` (per-token x per-channel through
 ``torch._scaled_mm``, activation quantization included), ``block`` (the Triton block kernel, 128x128 weight
 blocks, activation quantization included), ``dequant`` (de-quantize then bf16 matmul, the fallback) and
+``gemm_rowwise`` / ``gemm_tensor`` (``torch._scaled_mm`` alone on activations quantized beforehand, row-wise
+or per-tensor scales), ``weight_only`` / ``weight_only_block`` (the Triton kernel that widens FP8 weight tiles
+and keeps the activations in bf16; ``--sweep`` adds its tile configs as ``wo_<BLOCK_N>_w<warps>_s<stages>``) and
 ``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
 Each is timed with CUDA events (median of ``--iters`` after ``--warmup``; with ``--graph``, each timing replays
 a CUDA graph of 20 calls, which leaves out the host's launch cost as the engine's decode graphs do, and is
@@ -19,6 +22,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +68,7 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def paths(
-    x: torch.Tensor, w: torch.Tensor, n: int, k: int
+    x: torch.Tensor, w: torch.Tensor, n: int, k: int, sweep: bool = False
 ) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
     """name -> (call, the float32 reference it approximates)."""
     wq, row_scale = quantize_rows(w)
@@ -82,6 +86,32 @@ def paths(
         "block": (lambda: kernels.block_linear(x, bq, per_row, 128, None), ref_block),
         "dequant": (lambda: kernels.dequant_linear(x, bq, per_row, 128, None), ref_block),
     }
+
+    # The GEMM alone, with the activations quantized beforehand: row-wise scales (what scaled_mm runs) and one
+    # scale per tensor (cuBLASLt's plain FP8 GEMM), to tell the GEMM's cost from the quantization's.
+    q_rows, s_rows = kernels.quant_tokens(x)
+    s_tensor = torch.ones((), device="cuda")
+    found["gemm_rowwise"] = (
+        lambda: torch._scaled_mm(
+            q_rows, wq.t(), scale_a=s_rows, scale_b=row_scale.view(1, -1), out_dtype=torch.bfloat16
+        ),
+        ref_channel,
+    )
+    found["gemm_tensor"] = (
+        lambda: torch._scaled_mm(q_rows, wq.t(), scale_a=s_tensor, scale_b=s_tensor, out_dtype=torch.bfloat16),
+        (q_rows.float() @ wq.float().t()),
+    )
+    found["weight_only"] = (lambda: kernels.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
+    found["weight_only_block"] = (lambda: kernels.weight_only_linear(x, bq, per_row, 128, None), ref_block)
+    if sweep and x.shape[0] <= 256:
+        block_m = kernels.weight_only_config(x.shape[0], n)[0]
+        for block_n in (32, 64, 128):
+            for warps, stages in ((4, 3), (4, 5), (8, 4)):
+                cfg = (block_m, block_n, warps, stages)
+                found[f"wo_{block_n}_w{warps}_s{stages}"] = (
+                    partial(kernels.weight_only_linear, x, wq, row_scale, None, None, cfg),
+                    ref_channel,
+                )
 
     # torch's own block-scaled FP8 GEMM (1x128 activations x 1x128 weights): scale_a [M, KB] and scale_b
     # [KB, N], both outer-dimension-major (the transposes of contiguous [KB, M] and [N, KB] tensors).
@@ -105,6 +135,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--graph", action="store_true", help="time CUDA graph replays (device time only)")
+    parser.add_argument("--sweep", action="store_true", help="also time weight_only's tile configs (M <= 256)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
@@ -115,12 +146,17 @@ def main() -> None:
         w = torch.randn(n, k) * k**-0.5
         for m in [int(v) for v in args.m.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for path, (call, ref) in paths(x, w, n, k).items():
-                if args.graph:
-                    ms = time_call(graphed(call), args.warmup, args.iters) / GRAPH_CALLS
-                else:
-                    ms = time_call(call, args.warmup, args.iters)
-                err = float((call().float() - ref).norm() / ref.norm())
+            for path, (call, ref) in paths(x, w, n, k, args.sweep).items():
+                try:
+                    if args.graph:
+                        ms = time_call(graphed(call), args.warmup, args.iters) / GRAPH_CALLS
+                    else:
+                        ms = time_call(call, args.warmup, args.iters)
+                    err = float((call().float() - ref).norm() / ref.norm())
+                except Exception as exc:  # one path that fails (a Triton build, a cuBLASLt shape) costs its row only
+                    print(f"{name:14} {m:5d} {path:16} failed: {str(exc).splitlines()[0][:160]}")
+                    rows.append({"shape": name, "m": m, "n": n, "k": k, "path": path, "error": str(exc)[:500]})
+                    continue
                 tflops = 2 * m * n * k / (ms * 1e-3) / 1e12
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "path": path, "ms": ms, "tflops": tflops})
                 rows[-1]["rel_err"] = err

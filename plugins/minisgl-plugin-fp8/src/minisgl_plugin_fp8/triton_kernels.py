@@ -63,3 +63,54 @@ def block_gemm(
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Weight-only FP8 (activations stay in their 16-bit dtype): C[m, n] = sum_k A[m, k] * B[n, k] * b_scale, the FP8
+# weight tile widened in registers. At decode sizes the matmul is bound by reading the weight, so reading half the
+# bytes and skipping the activation quantization is what pays. BLOCK_SCALES: b_scale[n, kb] per BLOCK_K columns
+# (BLOCK_K is then the checkpoint's block width); else b_scale[n], applied once at the end.
+@triton.jit
+def weight_only_gemm(
+    a_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_bsn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0).to(a.dtype)
+        if BLOCK_SCALES:
+            b_s = tl.load(bs_ptr + offs_n * stride_bsn + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * b_s[None, :]
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if not BLOCK_SCALES:
+        acc *= tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
