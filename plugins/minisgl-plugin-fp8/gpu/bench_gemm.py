@@ -6,8 +6,9 @@ Paths: ``bf16`` (``F.linear``, the unquantized baseline), ``scaled_mm`` (per-tok
 ``torch._scaled_mm``, activation quantization included), ``block`` (the Triton block kernel, 128x128 weight
 blocks, activation quantization included), ``dequant`` (de-quantize then bf16 matmul, the fallback) and
 ``gemm_rowwise`` / ``gemm_tensor`` (``torch._scaled_mm`` alone on activations quantized beforehand, row-wise
-or per-tensor scales), ``weight_only`` / ``weight_only_block`` (the Triton kernel that widens FP8 weight tiles
-and keeps the activations in bf16; ``--sweep`` adds its tile configs as ``wo_<BLOCK_N>_w<warps>_s<stages>``) and
+or per-tensor scales), ``weight_only`` / ``weight_only_block`` (weight_only.py beside this script: a Triton
+kernel that widens FP8 weight tiles and keeps the activations in bf16; ``--sweep`` adds its tile configs as
+``wo_<BLOCK_N>_w<warps>_s<stages>``) and
 ``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
 Each is timed with CUDA events (median of ``--iters`` after ``--warmup``; with ``--graph``, each timing replays
 a CUDA graph of 20 calls, which leaves out the host's launch cost as the engine's decode graphs do, and is
@@ -26,6 +27,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+import weight_only  # this folder's candidate kernel (the script's folder is on sys.path)
 from minisgl_plugin_fp8 import kernels
 from minisgl_plugin_fp8.reference import quantize_rows, quantize_token_groups, reference_linear
 from minisgl_plugin_fp8.testing import quantize_weight
@@ -101,15 +103,15 @@ def paths(
         lambda: torch._scaled_mm(q_rows, wq.t(), scale_a=s_tensor, scale_b=s_tensor, out_dtype=torch.bfloat16),
         (q_rows.float() @ wq.float().t()),
     )
-    found["weight_only"] = (lambda: kernels.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
-    found["weight_only_block"] = (lambda: kernels.weight_only_linear(x, bq, per_row, 128, None), ref_block)
+    found["weight_only"] = (lambda: weight_only.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
+    found["weight_only_block"] = (lambda: weight_only.weight_only_linear(x, bq, per_row, 128, None), ref_block)
     if sweep and x.shape[0] <= 256:
-        block_m = kernels.weight_only_config(x.shape[0], n)[0]
+        block_m = weight_only.weight_only_config(x.shape[0], n)[0]
         for block_n in (32, 64, 128):
             for warps, stages in ((4, 3), (4, 5), (8, 4)):
                 cfg = (block_m, block_n, warps, stages)
                 found[f"wo_{block_n}_w{warps}_s{stages}"] = (
-                    partial(kernels.weight_only_linear, x, wq, row_scale, None, None, cfg),
+                    partial(weight_only.weight_only_linear, x, wq, row_scale, None, None, cfg),
                     ref_channel,
                 )
 

@@ -132,61 +132,6 @@ def block_linear(
     return y.view(*x.shape[:-1], n)
 
 
-def weight_only_config(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of :func:`weight_only_linear` for ``m`` tokens and ``n`` outputs:
-    the smallest row tile that holds the tokens, and column tiles narrow enough to give every SM of a large GPU
-    about two programs (the weight is read once, so parallelism over it is what sets the speed)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128 if n >= 128 * 264 else 64 if n >= 64 * 200 else 32
-    return block_m, block_n, 4, 4
-
-
-def weight_only_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    block_k: int | None,
-    bias: torch.Tensor | None,
-    config: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """``x @ dequantize(weight).T + bias`` with ``x`` kept in its 16-bit dtype: one Triton kernel widens each FP8
-    weight tile in registers and applies the per-row (``scale`` ``[N]``) or per-block (``[N, ceil(K /
-    block_k)]``) scales, so no activation is quantized. Meant for decode sizes (a few dozen tokens), where the
-    matmul is bound by reading the weight; ``config`` overrides :func:`weight_only_config` (benchmarks)."""
-    kernel = _kernels()["weight_only_gemm"]
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    m, n = x2.shape[0], weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m:
-        block_m, block_n, warps, stages = config or weight_only_config(m, n)
-        blocks = scale.dim() == 2
-        block = block_k if blocks and block_k is not None else 128
-        kernel[(triton_cdiv(m, block_m), triton_cdiv(n, block_n))](
-            x2,
-            weight,
-            scale,
-            y,
-            bias if bias is not None else y,
-            m,
-            n,
-            k,
-            x2.stride(0),
-            weight.stride(0),
-            y.stride(0),
-            scale.stride(0),
-            HAS_BIAS=bias is not None,
-            BLOCK_SCALES=blocks,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block,
-            num_warps=warps,
-            num_stages=stages,
-        )
-    return y.view(*x.shape[:-1], n)
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -196,8 +141,4 @@ def _kernels() -> dict[str, Any]:
     """The Triton kernels, imported (and compiled) on first use."""
     from . import triton_kernels
 
-    return {
-        "quant": triton_kernels.quant,
-        "block_gemm": triton_kernels.block_gemm,
-        "weight_only_gemm": triton_kernels.weight_only_gemm,
-    }
+    return {"quant": triton_kernels.quant, "block_gemm": triton_kernels.block_gemm}
