@@ -3,6 +3,7 @@
 Run on a CUDA machine from the repository root (minisgl, its plugins and minisgl-bench importable):
 
     python3 benchmarks/h200/gpu_probe.py attention          # decode kernel: page sizes x tensor cores
+    PROBE_HEADS=32 PROBE_KV=bf16,fp8_e4m3 python3 benchmarks/h200/gpu_probe.py attention OUT_DIR  # 8B, FP8 KV
     python3 benchmarks/h200/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
 
 ``attention`` times FlashInfer's paged decode kernel alone, at the shapes of the offline benchmark
@@ -15,6 +16,7 @@ per step, and the kernels that take it.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -23,11 +25,11 @@ from pathlib import Path
 import torch
 
 
-def attention() -> list[dict]:
+def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict]:
     import flashinfer
 
     dev = torch.device("cuda")
-    hq, hkv, d = 16, 8, 128
+    hkv, d = 8, 128
     rows = []
     for bs in (64, 256):
         rng = random.Random(bs)
@@ -36,15 +38,16 @@ def attention() -> list[dict]:
         for ps in (1, 16, 64):
             counts = [-(-n // ps) for n in lens]
             pages = sum(counts)
-            k = torch.randn(pages + 1, ps, hkv, d, dtype=torch.bfloat16, device=dev)
-            v = torch.randn_like(k)
             perm = torch.randperm(pages, device=dev).to(torch.int32) + 1  # scattered pages, like a used pool
             indptr = torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.int32)
             last = torch.tensor([n - (c - 1) * ps for n, c in zip(lens, counts)], dtype=torch.int32)
-            for tc in (False, True):
+            for kv_name, tc in [(kv, tc) for kv in kv_dtypes for tc in (False, True)]:
+                kv_dtype = torch.float8_e4m3fn if kv_name.startswith("fp8") else torch.bfloat16
+                k = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
+                v = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
                 ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-                w.plan(indptr, perm, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                w.plan(indptr, perm, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
                 for _ in range(3):
                     w.run(q, (k, v))
                 torch.cuda.synchronize()
@@ -56,9 +59,11 @@ def attention() -> list[dict]:
                 end.record()
                 torch.cuda.synchronize()
                 us = start.elapsed_time(end) / n * 1000
-                kv_bytes = sum(lens) * hkv * d * 2 * 2
+                kv_bytes = sum(lens) * hkv * d * 2 * kv_dtype.itemsize
                 row = {
                     "batch": bs,
+                    "q_heads": hq,
+                    "kv_dtype": kv_name,
                     "page_size": ps,
                     "tensor_cores": tc,
                     "us": round(us, 1),
@@ -144,8 +149,12 @@ if __name__ == "__main__":
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
     out.mkdir(parents=True, exist_ok=True)
     first = int(sys.argv[3]) if len(sys.argv) > 3 else 300
-    res = attention() if what == "attention" else window(out, first)
-    name = what if what == "attention" else f"{what}-{first}"
+    # attention: PROBE_HEADS query heads (16: Qwen3-0.6B; 32: the 8B shapes) and PROBE_KV, the KV dtypes to time
+    # (comma-separated: bf16, fp8_e4m3); the defaults keep the file name of the 0.6B bf16 probe.
+    heads, kv = int(os.environ.get("PROBE_HEADS", "16")), tuple(os.environ.get("PROBE_KV", "bf16").split(","))
+    res = attention(heads, kv) if what == "attention" else window(out, first)
+    tag = "" if (heads, kv) == (16, ("bf16",)) else f"-h{heads}-{'-'.join(kv)}"
+    name = what + tag if what == "attention" else f"{what}-{first}"
     if what != "attention":
         (out / "profile-window.txt").rename(out / f"profile-window-{first}.txt")
     (out / f"gpu-probe-{name}.json").write_text(json.dumps(res, indent=1))

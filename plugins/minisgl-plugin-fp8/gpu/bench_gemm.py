@@ -8,7 +8,9 @@ blocks, activation quantization included), ``dequant`` (de-quantize then bf16 ma
 ``gemm_rowwise`` / ``gemm_tensor`` (``torch._scaled_mm`` alone on activations quantized beforehand, row-wise
 or per-tensor scales), ``weight_only`` / ``weight_only_block`` (weight_only.py beside this script: a Triton
 kernel that widens FP8 weight tiles and keeps the activations in bf16; ``--sweep`` adds its tile configs as
-``wo_<BLOCK_N>_w<warps>_s<stages>``) and
+``wo_<BLOCK_N>_w<warps>_s<stages>``), ``gemm_rowwise_fast`` / ``gemm_tensor_fast`` (the same with
+``use_fast_accum``), ``fi_bmm_fp8`` / ``fi_blockscale_sm90`` (FlashInfer's, with ``--flashinfer``, where its build
+has them) and
 ``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
 Each is timed with CUDA events (median of ``--iters`` after ``--warmup``; with ``--graph``, each timing replays
 a CUDA graph of 20 calls, which leaves out the host's launch cost as the engine's decode graphs do, and is
@@ -70,7 +72,7 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def paths(
-    x: torch.Tensor, w: torch.Tensor, n: int, k: int, sweep: bool = False
+    x: torch.Tensor, w: torch.Tensor, n: int, k: int, sweep: bool = False, flashinfer: bool = False
 ) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
     """name -> (call, the float32 reference it approximates)."""
     wq, row_scale = quantize_rows(w)
@@ -103,6 +105,37 @@ def paths(
         lambda: torch._scaled_mm(q_rows, wq.t(), scale_a=s_tensor, scale_b=s_tensor, out_dtype=torch.bfloat16),
         (q_rows.float() @ wq.float().t()),
     )
+    # The same with fast accumulation (the tensor cores' own FP8 accumulator, no periodic promotion to float32).
+    found["gemm_rowwise_fast"] = (
+        lambda: torch._scaled_mm(
+            q_rows,
+            wq.t(),
+            scale_a=s_rows,
+            scale_b=row_scale.view(1, -1),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        ),
+        ref_channel,
+    )
+    found["gemm_tensor_fast"] = (
+        lambda: torch._scaled_mm(
+            q_rows, wq.t(), scale_a=s_tensor, scale_b=s_tensor, out_dtype=torch.bfloat16, use_fast_accum=True
+        ),
+        (q_rows.float() @ wq.float().t()),
+    )
+    if flashinfer:  # FlashInfer's FP8 GEMMs where this build has them (JIT-built on first use)
+        import flashinfer.gemm as fg
+
+        if hasattr(fg, "bmm_fp8"):  # cuBLASLt, per-tensor scales, batched [B, M, K] x [B, K, N]
+            found["fi_bmm_fp8"] = (
+                lambda: fg.bmm_fp8(q_rows[None], wq.t()[None], s_tensor, s_tensor, torch.bfloat16)[0],
+                (q_rows.float() @ wq.float().t()),
+            )
+        if hasattr(fg, "fp8_blockscale_gemm_sm90"):  # bf16 activations quantized inside, 128x128 weight blocks
+            found["fi_blockscale_sm90"] = (
+                lambda: fg.fp8_blockscale_gemm_sm90(x, bq, weight_scale=block_scale, out_dtype=torch.bfloat16),
+                ref_block,
+            )
     found["weight_only"] = (lambda: weight_only.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
     found["weight_only_block"] = (lambda: weight_only.weight_only_linear(x, bq, per_row, 128, None), ref_block)
     if sweep and x.shape[0] <= 256:
@@ -138,17 +171,22 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--graph", action="store_true", help="time CUDA graph replays (device time only)")
     parser.add_argument("--sweep", action="store_true", help="also time weight_only's tile configs (M <= 256)")
+    parser.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 GEMMs (fi_*)")
+    parser.add_argument("--only", default="", help="time only these paths, comma-separated (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm.py needs a CUDA GPU")
     torch.manual_seed(0)
+    only = {p for p in args.only.split(",") if p}
     rows = []
     print(f"{'shape':14} {'M':>5} {'path':16} {'ms':>9} {'TFLOP/s':>8} {'rel err':>8}")
     for name, n, k in SHAPES:
         w = torch.randn(n, k) * k**-0.5
         for m in [int(v) for v in args.m.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for path, (call, ref) in paths(x, w, n, k, args.sweep).items():
+            for path, (call, ref) in paths(x, w, n, k, args.sweep, args.flashinfer).items():
+                if only and path not in only and not any(path.startswith(p) for p in only if p.endswith("_")):
+                    continue
                 try:
                     if args.graph:
                         ms = time_call(graphed(call), args.warmup, args.iters) / GRAPH_CALLS
