@@ -14,6 +14,7 @@ from minisgl import LLM
 from minisgl.core import ValidationError
 from minisgl.layers import UNQUANTIZED, ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.plugins import (
+    PluginSource,
     QuantizationSpec,
     UnknownComponentError,
     check_compatible,
@@ -92,8 +93,50 @@ def test_listing_shows_the_methods_and_auto_leaves_them_to_the_checkpoint() -> N
 def test_spec_fields_are_checked() -> None:
     with pytest.raises(TypeError, match="QuantizationSpec.quant_methods must be a tuple of strings"):
         QuantizationSpec(name="q", factory="m:f", quant_methods="fp8")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="QuantizationSpec.check_config must be a callable or a 'package.module"):
+        QuantizationSpec(name="q", factory="m:f", check_config="not a reference")
     spec = QuantizationSpec(name="q", factory="m:f", devices=("cuda",))
     assert spec.unsupported_reason("cpu") == "runs on cuda" and spec.supports("cuda:1")
+    spec.check({"quant_method": "q"}, {})  # no check_config: nothing to refuse
+
+
+def test_a_methods_config_check_runs_in_preflight_and_in_the_engine(tiny_dir: Path, tmp_path: Path) -> None:
+    """check_config sees the checkpoint's quantization_config and its config.json; what it refuses stops the
+    server before any worker starts and the engine before any weight loads, in the method's own words."""
+    from minisgl.server.settings import PreflightError, ServeSettings, preflight
+    from minisgl.testing.registry import TEST_MODELS_PLUGIN, _test_models_plugin
+
+    plugin = tmp_path / "q8_plugin.py"
+    plugin.write_text(Q8_PLUGIN)
+    path = _quantized_copy(tiny_dir, tmp_path / "q4", {"quant_method": "q8", "bits": 4})
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    refused = rf"quantization method 'q8': bits 4 is not supported \(only 8; model_type {model_type}\)"
+    with pytest.raises(PreflightError, match=rf"^--quantization: {refused}"):
+        preflight(ServeSettings(model=str(path), device="cpu", plugin_paths=str(plugin)))
+    extra = [PluginSource(TEST_MODELS_PLUGIN, _test_models_plugin())]
+    registry = load_plugins(only=["builtin", TEST_MODELS_PLUGIN], extra=extra, paths=str(plugin), environ={})
+    with pytest.raises(ValidationError, match=rf"quantization: {refused}"):
+        LLM(str(path), registry=registry)
+    ok = _quantized_copy(tiny_dir, tmp_path / "q8", {"quant_method": "q8", "bits": 8})
+    with pytest.raises(ValidationError, match="the method 'none' cannot load a quantized checkpoint"):
+        LLM(str(ok), registry=registry)  # past the check: this test method's factory is the built-in's
+
+
+Q8_PLUGIN = """
+from minisgl.plugins import QuantizationSpec, hookimpl
+
+
+def check(config, model_config):
+    if config is not None and config.get("bits") != 8:
+        kind = model_config.get("model_type")
+        raise ValueError(f"bits {config.get('bits')!r} is not supported (only 8; model_type {kind})")
+
+
+@hookimpl
+def minisgl_quantization_methods():
+    factory = "minisgl.layers.quant:unquantized"
+    return [QuantizationSpec(name="q8", factory=factory, quant_methods=("q8",), check_config=check)]
+"""
 
 
 def test_plugins_made_for_the_previous_api_are_incompatible() -> None:

@@ -146,11 +146,39 @@ def test_a_partly_ignored_fused_layer_is_refused(float_models: dict, tmp_path: P
 
 
 def test_moe_checkpoints_are_refused(tmp_path: Path) -> None:
+    """An FP8 Qwen3-MoE checkpoint, and --quantization fp8 on a bf16 one, are refused by name, each with what to
+    do instead: in the engine (LLM) and in the server's preflight, before any worker starts; nothing is left."""
+    from minisgl.server.settings import PreflightError, ServeSettings, preflight
+
     fields = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16}
     save_tiny_model("Qwen3MoeForCausalLM", tmp_path / "float", **fields)
     write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "fp8-block")
-    with pytest.raises(ValidationError, match="mixture-of-experts model .*experts are not supported yet"):
+    model = r"mixture-of-experts model \(Qwen3MoeForCausalLM\): .* not supported yet; "
+    checkpoint, online = model + "serve the model's unquantized", model + "leave out --quantization fp8 to serve it"
+    threads = threading.active_count()
+    with pytest.raises(ValidationError, match=checkpoint):
         LLM(str(tmp_path / "fp8"), device="cpu")
+    with pytest.raises(ValidationError, match=online):
+        LLM(str(tmp_path / "float"), device="cpu", quantization="fp8")
+    refused = "^--quantization: quantization method 'fp8': cannot load this "
+    with pytest.raises(PreflightError, match=refused + checkpoint):
+        preflight(ServeSettings(model=str(tmp_path / "fp8"), device="cpu"))
+    with pytest.raises(PreflightError, match=refused + online):
+        preflight(ServeSettings(model=str(tmp_path / "float"), device="cpu", quantization="fp8"))
+    gc.collect()
+    assert threading.active_count() == threads  # no worker left running
+
+
+def test_preflight_refuses_unsupported_settings_before_any_worker_starts(float_models: dict, tmp_path: Path) -> None:
+    from minisgl.server.settings import PreflightError, ServeSettings, preflight
+
+    source, _ = float_models["LlamaForCausalLM", "odd"]
+    write_fp8_checkpoint(source, tmp_path, "fp8-block")
+    assert preflight(ServeSettings(model=str(tmp_path), device="cpu"))  # the checkpoint as written passes
+    _edit_config(tmp_path, activation_scheme="static")
+    refused = r"^--quantization: quantization method 'fp8': .*activation_scheme 'static' is not supported"
+    with pytest.raises(PreflightError, match=refused):
+        preflight(ServeSettings(model=str(tmp_path), device="cpu"))
 
 
 @pytest.mark.parametrize("layout", ["fp8-block", "ct-channel"])

@@ -160,15 +160,23 @@ class Engine:
             choice = choose_quantization(self.registry, self.config.quantization, qc or None, self.device.type)
         except UnknownComponentError as exc:
             raise ValidationError("quantization", str(exc)) from None
+        to_dict = getattr(self.hf_config, "to_dict", None)
+        model_config = to_dict() if callable(to_dict) else dict(vars(self.hf_config))
         try:
+            choice.spec.check(choice.config, model_config)  # what the server's preflight asks too
             quant = choice.spec.build(choice.config, self.dtype, self.device)
         except ValueError as exc:
             raise ValidationError("quantization", f"{choice.spec.label}: {exc}") from None
         if self.moe_backend is not None and not quant.supports_moe:
+            instead = (
+                f"leave out --quantization {self.config.quantization} to serve it unquantized"
+                if choice.config is None
+                else "serve the model's unquantized (bf16) checkpoint instead"
+            )
             raise ValidationError(
                 "quantization",
                 f"{choice.spec.label} cannot load this mixture-of-experts model ({self.architecture}): its quantized "
-                "experts are not supported yet; serve the unquantized (bf16) checkpoint instead",
+                f"experts are not supported yet; {instead}",
             )
         return quant
 

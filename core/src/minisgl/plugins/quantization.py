@@ -22,17 +22,24 @@ class QuantChoice:
     config: dict[str, Any] | None
 
 
-def read_quantization_config(path: str | Path) -> dict[str, Any] | None:
-    """``quantization_config`` of a model directory's ``config.json`` or of a config file (None without one)."""
+def read_model_config(path: str | Path) -> dict[str, Any] | None:
+    """A model directory's ``config.json`` or a config file, as a dict (None if there is none or it is not JSON:
+    the engine's config loader reports an unreadable config)."""
     path = Path(path)
     path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
+    if path.suffix != ".json" or not path.is_file():  # a .gguf file holds its config itself
         return None
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None  # the engine's config loader reports an unreadable config
-    found = config.get("quantization_config") if isinstance(config, dict) else None
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def read_quantization_config(path: str | Path) -> dict[str, Any] | None:
+    """``quantization_config`` of a model directory's ``config.json`` or of a config file (None without one)."""
+    config = read_model_config(path)
+    found = config.get("quantization_config") if config is not None else None
     return found if isinstance(found, dict) and found else None
 
 

@@ -195,12 +195,16 @@ class QuantizationSpec(ComponentSpec):
     that is not quantized: quantize at load, or raise ``ValueError``); the factory raises ``ValueError`` naming
     any setting it does not support. ``quant_methods``: the ``quantization_config.quant_method`` values it
     reads (how ``auto`` finds it); ``devices`` and ``dtypes``: where it runs (activation dtypes), shown by
-    ``minisgl plugins``; ``is_supported`` may say more (a GPU generation)."""
+    ``minisgl plugins``; ``is_supported`` may say more (a GPU generation). ``check_config``, optional:
+    ``check_config(config, model_config) -> None`` (``model_config``: the checkpoint's config.json as a dict),
+    a check without torch that the server runs before any worker starts; it raises ``ValueError`` naming what
+    the method cannot load (a setting, a model kind), as the factory would later."""
 
     kind, noun, hook = "quantization", "quantization method", "minisgl_quantization_methods"
     quant_methods: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    check_config: Callable[[dict[str, Any] | None, dict[str, Any]], None] | str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -208,6 +212,16 @@ class QuantizationSpec(ComponentSpec):
             value = getattr(self, attr)
             if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
                 raise TypeError(f"QuantizationSpec.{attr} must be a tuple of strings, got {value!r}")
+        ref = self.check_config
+        if ref is not None and not (_LAZY_REF.match(ref) if isinstance(ref, str) else callable(ref)):
+            raise TypeError(
+                f"QuantizationSpec.check_config must be a callable or a 'package.module:attribute' string, got {ref!r}"
+            )
+
+    def check(self, config: dict[str, Any] | None, model_config: dict[str, Any]) -> None:
+        """Run ``check_config`` (nothing without one): ``ValueError`` for what the method cannot load."""
+        if self.check_config is not None:
+            resolve(self.check_config)(config, model_config)
 
     def unsupported_reason(self, device: str) -> str | None:
         if device.split(":", 1)[0] not in self.devices:

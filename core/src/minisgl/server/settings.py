@@ -191,6 +191,7 @@ def preflight(settings: ServeSettings) -> list[str]:
         UnknownComponentError,
         choose_quantization,
         load_plugins,
+        read_model_config,
         read_quantization_config,
     )
 
@@ -231,13 +232,19 @@ def preflight(settings: ServeSettings) -> list[str]:
                 registry.get(kind, name)  # type: ignore[arg-type]
         except UnknownComponentError as exc:
             raise PreflightError(f"{flag}: {exc}") from None
-    # A checkpoint quantized in a way no installed plugin reads is refused here, naming its quant_method.
+    # A checkpoint quantized in a way no installed plugin reads is refused here, naming its quant_method, and so
+    # is what the chosen method says it cannot load (a setting of the checkpoint's config, a model kind).
     config_file = settings.hf_config_path or model_dir
+    model_config = (read_model_config(config_file) if config_file is not None else None) or {}
     quant_config = read_quantization_config(config_file) if config_file is not None else None
     try:
-        choose_quantization(registry, settings.quantization, quant_config, target or "cpu")
+        choice = choose_quantization(registry, settings.quantization, quant_config, target or "cpu")
     except UnknownComponentError as exc:
         raise PreflightError(f"--quantization: {exc}") from None
+    try:
+        choice.spec.check(choice.config, model_config)
+    except ValueError as exc:
+        raise PreflightError(f"--quantization: {choice.spec.label}: {exc}") from None
     # A named backend that cannot read the KV cache dtype fails here too (the engine would refuse it the same way).
     for name in (n.strip() for n in settings.attention_backend.split(",")):
         spec = registry.get("attention", name) if name != "auto" else None

@@ -13,6 +13,7 @@ def minisgl_quantization_methods() -> Iterable[QuantizationSpec]:
         QuantizationSpec(
             name="fp8",
             factory="minisgl_plugin_fp8.method:fp8_method",
+            check_config="minisgl_plugin_fp8.config:check_config",
             quant_methods=("fp8", "compressed-tensors"),
             devices=("cpu", "cuda"),
             dtypes=("bfloat16", "float16", "float32"),
