@@ -8,7 +8,9 @@ blocks, activation quantization included), ``dequant`` (de-quantize then bf16 ma
 ``gemm_rowwise`` / ``gemm_tensor`` (``torch._scaled_mm`` alone on activations quantized beforehand, row-wise
 or per-tensor scales), ``weight_only`` / ``weight_only_block`` (weight_only.py beside this script: a Triton
 kernel that widens FP8 weight tiles and keeps the activations in bf16; ``--sweep`` adds its tile configs as
-``wo_<BLOCK_N>_w<warps>_s<stages>``), ``gemm_rowwise_fast`` / ``gemm_tensor_fast`` (the same with
+``wo_<BLOCK_N>_w<warps>_s<stages>``), ``w8a8`` / ``tensor_epi`` (w8a8.py: a Triton FP8 GEMM with both scales in its
+epilogue, and cuBLASLt's unit-scale FP8 GEMM plus an in-place scaling kernel; ``--sweep`` adds the Triton
+kernel's tiles as ``w8_<BM>_<BN>_<BK>_w<warps>_s<stages>``), ``gemm_rowwise_fast`` / ``gemm_tensor_fast`` (the same with
 ``use_fast_accum``), ``fi_bmm_fp8`` / ``fi_blockscale_sm90`` (FlashInfer's, with ``--flashinfer``, where its build
 has them) and
 ``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
@@ -29,7 +31,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-import weight_only  # this folder's candidate kernel (the script's folder is on sys.path)
+import w8a8  # this folder's candidate kernels (the script's folder is on sys.path)
+import weight_only
 from minisgl_plugin_fp8 import kernels
 from minisgl_plugin_fp8.reference import quantize_rows, quantize_token_groups, reference_linear
 from minisgl_plugin_fp8.testing import quantize_weight
@@ -136,6 +139,16 @@ def paths(
                 lambda: fg.fp8_blockscale_gemm_sm90(x, bq, weight_scale=block_scale, out_dtype=torch.bfloat16),
                 ref_block,
             )
+    # W8A8 candidates (w8a8.py): the Triton FP8 GEMM with the scales in its epilogue, and cuBLASLt's unit-scale
+    # FP8 GEMM followed by an in-place scaling kernel; --sweep adds the Triton kernel's tiles as w8_<BM>_<BN>_...
+    found["w8a8"] = (lambda: w8a8.w8a8_linear(x, wq, row_scale, None), ref_channel)
+    found["tensor_epi"] = (lambda: w8a8.tensor_epilogue_linear(x, wq, row_scale, None), ref_channel)
+    if sweep:
+        for cfg in w8a8.SWEEP:
+            if cfg[0] > 2 * max(16, x.shape[0]):  # row tiles far taller than the tokens
+                continue
+            name = "w8_" + "_".join(str(v) for v in cfg[:3]) + f"_w{cfg[3]}_s{cfg[4]}"
+            found[name] = (partial(w8a8.w8a8_linear, x, wq, row_scale, None, cfg), ref_channel)
     found["weight_only"] = (lambda: weight_only.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
     found["weight_only_block"] = (lambda: weight_only.weight_only_linear(x, bq, per_row, 128, None), ref_block)
     if sweep and x.shape[0] <= 256:
@@ -170,7 +183,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--graph", action="store_true", help="time CUDA graph replays (device time only)")
-    parser.add_argument("--sweep", action="store_true", help="also time weight_only's tile configs (M <= 256)")
+    parser.add_argument("--sweep", action="store_true", help="also time the candidate kernels' tile configs")
     parser.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 GEMMs (fi_*)")
     parser.add_argument("--only", default="", help="time only these paths, comma-separated (default: all)")
     args = parser.parse_args()
