@@ -16,7 +16,7 @@ import test_fp8_conformance as cpu_kit  # the CPU conformance classes, rerun bel
 import torch
 from minisgl_plugin_fp8 import kernels
 from minisgl_plugin_fp8.config import ONLINE, FP8Scheme
-from minisgl_plugin_fp8.method import FP8Method
+from minisgl_plugin_fp8.method import W8A8_TILES, FP8Method
 from minisgl_plugin_fp8.reference import (
     quantize_rows,
     quantize_token_groups,
@@ -61,6 +61,91 @@ def test_scaled_mm_per_channel(m: int, k: int, n: int, bias: bool) -> None:
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert rel_err(y, reference_linear(x, w, scale, None, b)) < 0.08
     assert rel_err(y, reference_w8a8_linear(x, w, scale, None, b)) < 0.02
+
+
+W8A8_PATHS = ["scaled_mm_fast", "tensor_epi", "w8a8"] + ["w8a8:" + "x".join(map(str, t)) for t, _, _ in W8A8_TILES]
+
+
+def _w8a8_gemm(path: str):  # noqa: ANN202
+    """``(x, weight, scale, bias) -> y`` of a per-token x per-channel path (``w8a8:BMxBNxBKxWxS``: one tile)."""
+    if path == "scaled_mm_fast":
+        return lambda x, w, s, b: kernels.scaled_mm_linear(x, w, s, b, fast_accum=True)
+    if path == "tensor_epi":
+        one = torch.ones((), device="cuda")
+        return lambda x, w, s, b: kernels.tensor_epilogue_linear(x, w, s, b, one)
+    tile = tuple(int(v) for v in path.split(":")[1].split("x")) if ":" in path else None
+    return lambda x, w, s, b: kernels.w8a8_linear(x, w, s, b, tile)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", W8A8_PATHS)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_channel_candidates(path: str, m: int, k: int, n: int, bias: bool) -> None:
+    """Every GEMM the load-time tuning may choose for per-channel/per-tensor weights, tiles included, at
+    shapes that fill no tile exactly (7 tokens, K = 192/320)."""
+    torch.manual_seed(0)
+    w, scale, _ = _weights(k, n, "ct-channel")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    y = _w8a8_gemm(path)(x, w, scale, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel_err(y, reference_linear(x, w, scale, None, b)) < 0.08
+    # Fast accumulation keeps fewer bits in the tensor cores' accumulator than float32.
+    assert rel_err(y, reference_w8a8_linear(x, w, scale, None, b)) < (0.03 if path != "w8a8" else 0.02)
+
+
+@pytest.mark.parametrize("layout", ["ct-channel", "fp8-block"])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_only_kernel(layout: str, m: int, k: int, n: int, bias: bool) -> None:
+    """Weight-only FP8 keeps the activations: against the de-quantized weight it has only bf16 rounding."""
+    torch.manual_seed(0)
+    w, scale, block_k = _weights(k, n, layout)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    y = kernels.weight_only_linear(x, w, scale, block_k, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel_err(y, reference_linear(x, w, scale, block_k, b)) < 0.02
+
+
+@pytest.mark.parametrize("scheme", ["online", "block"])
+def test_load_time_tuning_gives_each_shape_a_table_that_matches_the_reference(scheme: str) -> None:
+    """The tuning times the candidates on the first layer of a shape, reuses the table for the next layer of
+    that shape, and whatever it chose computes the product (eagerly and replayed in a CUDA graph)."""
+    torch.manual_seed(0)
+    method_scheme = FP8Scheme("fp8", "block", "weight_scale_inv", (128, 128)) if scheme == "block" else ONLINE
+    method = FP8Method(method_scheme, torch.bfloat16, torch.device("cuda"))
+    kw = {"dtype": torch.bfloat16, "device": torch.device("cuda"), "quant": method}
+    layers = [ColumnParallelLinear(256, [512], **kw), ColumnParallelLinear(256, [512], **kw)]
+    for layer in layers:
+        full = torch.randn(layer.out_features, layer.in_features) * layer.in_features**-0.5
+        if scheme == "block":
+            parts, _ = quantize_weight(full, "fp8-block")
+            layer.weight.weight_loader(layer.weight, parts["weight"].cuda())
+            scale = layer.weight_scale_inv
+            scale.weight_loader(scale, parts["weight_scale_inv"].cuda())
+        else:
+            layer.weight.weight_loader(layer.weight, full.to(torch.bfloat16).cuda())
+        method.process_weights_after_loading(layer)
+    timed = [r for r in method.tuner.results if "ms" in r]
+    assert {r["m"] for r in timed} == set(method.tuner.buckets), "every bucket timed at least its default"
+    assert len({r["key"] for r in method.tuner.results}) == 1, "the second layer of the shape reused the table"
+    names = {c.name for c in method.candidates(layers[0].fp8_path)}
+    for layer in layers:
+        assert set(layer.fp8_gemms.names) <= names
+        scale = getattr(layer, method.scale_name)
+        block_k = 128 if scheme == "block" else None
+        for m in (1, 5, 48, 200, 700):
+            x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
+            ref = reference_linear(x, layer.weight, scale, block_k, None)
+            assert rel_err(layer(x), ref) < 0.08, (m, layer.fp8_gemms.name_at(m))
+            out = torch.empty(m, layer.out_features, device="cuda", dtype=torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            layer(x)  # warm (a Triton choice compiles outside the capture)
+            with torch.cuda.graph(graph):
+                out.copy_(layer(x))
+            graph.replay()
+            assert rel_err(out, ref) < 0.08, (m, layer.fp8_gemms.name_at(m))
 
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)

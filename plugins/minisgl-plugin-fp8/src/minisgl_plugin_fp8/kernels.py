@@ -2,12 +2,18 @@
 per-row scales (``[N]``, or ``[N, ceil(K / block_k)]`` for block scales), quantizes ``x`` dynamically and returns
 ``[..., N]`` in ``x``'s dtype:
 
-- :func:`scaled_mm_linear`: per-token x per-channel scales through ``torch._scaled_mm`` (cuBLASLt's row-wise
-  scaled FP8 GEMM; Hopper and Ada, K and N multiples of 16);
+- :func:`scaled_mm_linear`: per-token x per-channel scales through ``torch._scaled_mm`` (its row-wise scaled FP8
+  GEMM; Hopper and Ada, K and N multiples of 16), optionally with fast accumulation;
+- :func:`tensor_epilogue_linear`: the same scales, applied by a Triton kernel to the output of cuBLASLt's
+  unit-scale FP8 GEMM (fast accumulation);
+- :func:`w8a8_linear`: the same scales, one Triton FP8 GEMM that applies them in its epilogue;
+- :func:`weight_only_linear`: the FP8 weight (per-row or block scales) widened in registers against activations
+  kept in their 16-bit dtype (no activation quantization), one Triton kernel;
 - :func:`block_linear`: per-(token, block_k columns) x per-(row, block_k columns) scales in a Triton kernel;
 - :func:`dequant_linear`: the fallback that always applies: de-quantize the weight, then the ordinary matmul.
 
-Triton is imported on first use only.
+Which of them runs at which token count is measured per layer shape when a model loads
+(:mod:`minisgl_plugin_fp8.tuning`). Triton is imported on first use only.
 """
 
 from __future__ import annotations
@@ -42,17 +48,113 @@ def scaled_mm_supports(in_features: int, out_features: int) -> bool:
 
 
 def scaled_mm_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fast_accum: bool = False
 ) -> torch.Tensor:
-    """``x @ (weight * scale).T + bias`` with ``x`` quantized per token; ``scale``: ``[N]`` float32."""
+    """``x @ (weight * scale).T + bias`` with ``x`` quantized per token; ``scale``: ``[N]`` float32.
+    ``fast_accum``: the tensor cores' own accumulator throughout (no periodic promotion to float32)."""
     x2 = x.reshape(-1, x.shape[-1])
     q, s = quant_tokens(x2)
-    # weight is [N, K] row-major, so weight.t() is the column-major [K, N] operand cuBLASLt wants.
-    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+    # weight is [N, K] row-major, so weight.t() is the column-major [K, N] operand the GEMM wants.
+    y = torch._scaled_mm(
+        q, weight.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
     y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def tensor_epilogue_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, one: torch.Tensor
+) -> torch.Tensor:
+    """:func:`scaled_mm_linear`'s result through cuBLASLt's plain FP8 GEMM: unit scalar scales (``one``, a float32
+    1.0 on ``x``'s device) and fast accumulation into a bf16 output, which a Triton kernel then scales in place
+    by the token and channel scales (and adds the bias to)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = quant_tokens(x2)
+    y = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+    m, n = y.shape
+    if m:
+        _kernels()["scale_rows_cols"][(triton_cdiv(m, 16), triton_cdiv(n, 256))](
+            y, s, scale, bias if bias is not None else y, m, n, y.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_M=16, BLOCK_N=256, num_warps=4,
+        )  # fmt: skip
+    y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+#: A Triton GEMM's tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+Tile = tuple[int, int, int, int, int]
+
+
+def w8a8_tile(m: int, n: int) -> Tile:
+    """:func:`w8a8_linear`'s tile for ``m`` tokens and ``n`` outputs (the load-time tuning may pick another):
+    the smallest row tile that holds the tokens, and column tiles narrow enough to give a large GPU's SMs one
+    program each at decode sizes."""
+    if m <= 16:
+        return (16, 64 if n >= 64 * 132 else 32, 256, 4, 4)
+    if m <= 64:
+        return (64, 64, 128, 4, 4)
+    if m <= 256:
+        return (64, 128, 128, 4, 4)
+    return (128, 128, 128, 8, 4)
+
+
+def w8a8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, tile: Tile | None = None
+) -> torch.Tensor:
+    """:func:`scaled_mm_linear`'s result from one Triton FP8 GEMM that applies the token and channel scales (and
+    the bias) in its epilogue; ``tile`` overrides :func:`w8a8_tile`."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    q, s = quant_tokens(x2)
+    m, n = x2.shape[0], weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_m, block_n, block_k, warps, stages = tile or w8a8_tile(m, n)
+        _kernels()["w8a8_gemm"][(triton_cdiv(m, block_m), triton_cdiv(n, block_n))](
+            q, s, weight, scale, y, bias if bias is not None else y, m, n, k, q.stride(0), weight.stride(0),
+            y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], n)
+
+
+def weight_only_tile(m: int, n: int) -> Tile:
+    """:func:`weight_only_linear`'s tile: the smallest row tile that holds the tokens, and column tiles narrow
+    enough to give every SM of a large GPU about two programs (the weight is read once: parallelism over it is
+    what sets the speed). BLOCK_K is 128 unless the weight has block scales (then it is their width)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 128 if n >= 128 * 264 else 64 if n >= 64 * 200 else 32
+    return block_m, block_n, 128, 4, 4
+
+
+def weight_only_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_k: int | None,
+    bias: torch.Tensor | None,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` with ``x`` kept in its 16-bit dtype: one Triton kernel widens each FP8
+    weight tile in registers and applies the per-row (``scale`` ``[N]``) or per-block (``[N, ceil(K /
+    block_k)]``) scales. For decode sizes, where the matmul is bound by reading the weight."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m, n = x2.shape[0], weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_m, block_n, tile_k, warps, stages = tile or weight_only_tile(m, n)
+        blocks = scale.dim() == 2
+        _kernels()["weight_only_gemm"][(triton_cdiv(m, block_m), triton_cdiv(n, block_n))](
+            x2, weight, scale, y, bias if bias is not None else y, m, n, k, x2.stride(0), weight.stride(0),
+            y.stride(0), scale.stride(0), HAS_BIAS=bias is not None, BLOCK_SCALES=blocks, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k if blocks and block_k is not None else tile_k, num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], n)
 
 
 def dequant_linear(
@@ -141,4 +243,7 @@ def _kernels() -> dict[str, Any]:
     """The Triton kernels, imported (and compiled) on first use."""
     from . import triton_kernels
 
-    return {"quant": triton_kernels.quant, "block_gemm": triton_kernels.block_gemm}
+    return {
+        name: getattr(triton_kernels, name)
+        for name in ("quant", "block_gemm", "w8a8_gemm", "scale_rows_cols", "weight_only_gemm")
+    }

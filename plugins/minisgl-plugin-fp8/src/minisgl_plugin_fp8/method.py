@@ -9,35 +9,58 @@ rows do. The matmul is chosen once per layer when it is built (:meth:`FP8Method.
 - CPU: the reference path. After loading, the weight is de-quantized into the model's dtype and the kernel set's
   float32 ``linear`` runs it (as fast as an unquantized model, and the outputs are those of the de-quantized
   weights);
-- CUDA with FP8 tensor cores: ``torch._scaled_mm`` (per-channel/per-tensor) or the Triton block kernel (block
-  scales), each quantizing activations per token at run time;
+- CUDA with FP8 tensor cores: per-channel/per-tensor scales run ``torch._scaled_mm`` and block scales the Triton
+  block kernel, each quantizing activations per token at run time, until the weights are in. Then the first
+  layer of each shape times the other GEMMs that compute the same product (:mod:`.kernels`: fast accumulation,
+  cuBLASLt plus a scaling kernel, a Triton W8A8 GEMM in several tiles, weight-only FP8 at decode sizes) at each
+  token-count bucket, and every layer of that shape runs the fastest for its bucket (:mod:`.tuning`;
+  ``MINISGL_FP8_TUNE=0`` keeps the defaults);
 - any other CUDA device or shape: de-quantize on every call, then the ordinary matmul.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers import UNQUANTIZED, LinearBase, LinearOp, QuantMethod, RowParallelLinear, new_param
 
 from .config import FP8Scheme, parse_config
 from .reference import FP8, dequantize, expand_block_scale, quantize_rows
+from .tuning import Candidate, GemmTable, GemmTuner
 
-Path = Literal["reference", "scaled_mm", "block", "dequant"]
+Path = Literal["reference", "scaled_mm", "scaled_mm_fast", "tensor_epi", "w8a8", "weight_only", "block", "dequant"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The Triton W8A8 tiles the tuning tries: (tile, tried above this many tokens, up to this many).
+W8A8_TILES: tuple[tuple[tuple[int, int, int, int, int], int, int], ...] = (
+    ((16, 32, 256, 4, 4), 0, 32),
+    ((16, 64, 256, 4, 4), 0, 32),
+    ((16, 64, 128, 4, 5), 0, 32),
+    ((32, 64, 128, 4, 4), 16, 64),
+    ((64, 64, 128, 4, 4), 32, 512),
+    ((64, 128, 128, 4, 4), 32, 1 << 30),
+    ((128, 128, 128, 8, 4), 128, 1 << 30),
+    ((64, 256, 128, 8, 4), 128, 1 << 30),
+    ((128, 256, 128, 8, 3), 512, 1 << 30),
+)
+#: Weight-only FP8 is tried up to this many tokens (beyond, the matmul is no longer bound by the weight's bytes).
+WEIGHT_ONLY_MAX_TOKENS = 64
 
 
 def fp8_method(config: dict[str, Any] | None, dtype: torch.dtype, device: torch.device) -> FP8Method:
     """The factory of the method ``fp8``: ``config`` is the checkpoint's quantization_config (None: quantize
-    an unquantized checkpoint at load, per channel)."""
+    an unquantized checkpoint at load, per channel). ``MINISGL_FP8_TUNE=0`` in the environment turns the
+    load-time GEMM tuning off (each layer then runs its default kernel, the same on every run)."""
     if dtype not in _DTYPES:
         raise ValueError(f"FP8 weights run with float32, bfloat16 or float16 activations, not {dtype}")
-    return FP8Method(parse_config(config), dtype, device)
+    tune = os.environ.get("MINISGL_FP8_TUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return FP8Method(parse_config(config), dtype, device, tune=tune)
 
 
 class FP8Method(QuantMethod):
@@ -46,10 +69,21 @@ class FP8Method(QuantMethod):
     name = "fp8"
     supports_moe = False  # the fused MoE experts take no FP8 weights yet
 
-    def __init__(self, scheme: FP8Scheme, dtype: torch.dtype, device: torch.device, paths: Sequence[Path] = ()):
+    def __init__(
+        self,
+        scheme: FP8Scheme,
+        dtype: torch.dtype,
+        device: torch.device,
+        paths: Sequence[Path] = (),
+        tune: bool = True,
+        tuner: GemmTuner | None = None,
+    ):
         self.scheme, self.dtype, self.device = scheme, dtype, torch.device(device)
         self.block_k = scheme.block[1] if scheme.block is not None else None
-        self._paths = tuple(paths)  # tests force a path; empty: the fastest that applies
+        self._paths = tuple(paths)  # tests force a path; empty: the default, then the fastest measured
+        self.tune = tune and not self._paths
+        self.tuner = tuner or GemmTuner()  # this engine's measurements (one table per layer shape)
+        self._one: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"FP8Method({self.scheme.layout}, {self.scheme.weight})"
@@ -126,19 +160,58 @@ class FP8Method(QuantMethod):
         layer.fp8_path = path  # type: ignore[assignment]  # what runs, for logs and tests
         if path == "reference":
             return layer.kernels.linear  # on the weight de-quantized after loading
+        name = self.scale_name
+        if path in ("scaled_mm", "block"):  # the default until the weights are in, then the tuned table
+            layer.fp8_gemms = GemmTable.single(Candidate(path, self._gemm(path)))  # type: ignore[assignment]
+
+            def tuned(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+                table: GemmTable = layer.fp8_gemms  # type: ignore[assignment]
+                return table.pick(x.numel() // x.shape[-1])(x, w, getattr(layer, name), b)
+
+            return tuned
+        gemm = self._gemm(path)
+        return lambda x, w, b: gemm(x, w, getattr(layer, name), b)
+
+    def _gemm(self, path: Path, tile: tuple[int, int, int, int, int] | None = None) -> Any:
+        """``(x, weight, scale, bias) -> y`` of ``path`` (a GPU path; ``tile`` for the Triton W8A8 GEMM)."""
         from . import kernels
 
-        name, block_k = self.scale_name, self.block_k
-
-        def scale_of() -> torch.Tensor:
-            return getattr(layer, name)  # type: ignore[no-any-return]
-
+        block_k = self.block_k
         if path == "scaled_mm":
-            return lambda x, w, b: kernels.scaled_mm_linear(x, w, scale_of(), b)
+            return kernels.scaled_mm_linear
+        if path == "scaled_mm_fast":
+            return partial(kernels.scaled_mm_linear, fast_accum=True)
+        if path == "tensor_epi":
+            if self._one is None:
+                self._one = torch.ones((), dtype=torch.float32, device=self.device)
+            return partial(kernels.tensor_epilogue_linear, one=self._one)
+        if path == "w8a8":
+            return partial(kernels.w8a8_linear, tile=tile)
+        if path == "weight_only":
+            return lambda x, w, s, b: kernels.weight_only_linear(x, w, s, block_k, b)
         if path == "block":
             assert block_k is not None
-            return lambda x, w, b: kernels.block_linear(x, w, scale_of(), block_k, b)
-        return lambda x, w, b: kernels.dequant_linear(x, w, scale_of(), block_k, b)
+            return lambda x, w, s, b: kernels.block_linear(x, w, s, block_k, b)
+        return lambda x, w, s, b: kernels.dequant_linear(x, w, s, block_k, b)
+
+    def candidates(self, path: Path) -> list[Candidate]:
+        """What the tuning times for a layer whose default is ``path`` (the default first)."""
+        from .kernels import triton_available
+
+        found = [Candidate(path, self._gemm(path))]
+        triton = triton_available()
+        sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
+        if path == "scaled_mm":
+            found.append(Candidate("scaled_mm_fast", self._gemm("scaled_mm_fast")))
+            if triton:
+                found.append(Candidate("tensor_epi", self._gemm("tensor_epi")))
+                for tile, lo, hi in W8A8_TILES:
+                    label = "w8a8_{}x{}x{}_w{}s{}".format(*tile)
+                    found.append(Candidate(label, self._gemm("w8a8", tile), partial(_between, lo, hi)))
+        if triton and sixteen_bit and path in ("scaled_mm", "block"):
+            fits = partial(_between, 0, WEIGHT_ONLY_MAX_TOKENS)
+            found.append(Candidate("weight_only", self._gemm("weight_only"), fits))
+        return found
 
     @property
     def scale_name(self) -> str:
@@ -150,8 +223,33 @@ class FP8Method(QuantMethod):
             q, scale = quantize_rows(layer.weight.data)
             layer.weight = nn.Parameter(q, requires_grad=False)
             setattr(layer, self.scale_name, nn.Parameter(scale, requires_grad=False))
-        if getattr(layer, "fp8_path", None) == "reference":
+        path = getattr(layer, "fp8_path", None)
+        if path == "reference":
             scale = getattr(layer, self.scale_name)
             weight = dequantize(layer.weight.data, scale.data, self.block_k, layer.dtype)
             delattr(layer, self.scale_name)
             layer.weight = nn.Parameter(weight, requires_grad=False)
+        elif self.tune and path in ("scaled_mm", "block") and layer.weight.is_cuda:
+            self._tune(layer, path)
+
+    def _tune(self, layer: LinearBase, path: Path) -> None:
+        """Give ``layer`` the fastest GEMM per token-count bucket, measured on the first layer of its shape."""
+        weight, scale = layer.weight.data, getattr(layer, self.scale_name).data
+        param = getattr(layer, "bias", None)
+        bias = param.data if param is not None else None
+        key = (path, weight.shape[0], weight.shape[1], bias is not None)
+        exact = None
+
+        def reference(x: torch.Tensor) -> torch.Tensor:
+            nonlocal exact
+            if exact is None:  # made on the shape's first layer only, and dropped with this closure
+                exact = dequantize(weight, scale, self.block_k, self.dtype)
+            return F.linear(x, exact, bias)
+
+        torch.cuda.synchronize(weight.device)
+        table = self.tuner.table(key, self.candidates(path), weight, scale, bias, reference, self.dtype)
+        layer.fp8_gemms = table  # type: ignore[assignment]
+
+
+def _between(lo: int, hi: int, m: int) -> bool:
+    return lo < m <= hi

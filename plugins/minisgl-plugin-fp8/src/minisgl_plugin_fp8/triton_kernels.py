@@ -63,3 +63,125 @@ def block_gemm(
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# C[m, n] = (sum_k A[m, k] B[n, k]) * a_scale[m] * b_scale[n] (+ bias[n]): per-token x per-channel FP8 (W8A8). The
+# whole reduction accumulates in float32 and the scales are applied once, in the epilogue, so the tensor-core
+# pipeline runs uninterrupted. A and B are both K-major (B is loaded [BLOCK_N, BLOCK_K] and transposed in
+# registers), the operand layout of Hopper's FP8 tensor-core instructions.
+@triton.jit
+def w8a8_gemm(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    # Rows past M or N read row 0 (never stored), so the loads need no row mask.
+    a_ptrs = a_ptr + tl.where(m_ok, offs_m, 0)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + tl.where(n_ok, offs_n, 0)[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc = acc * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    acc = acc * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# In place: C[m, n] = C[m, n] * a_scale[m] * b_scale[n] (+ bias[n]); the epilogue of a unit-scale FP8 GEMM.
+@triton.jit
+def scale_rows_cols(
+    c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, stride_cm, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    c = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    c = c * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    c = c * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        c += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(ptrs, c.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+# Weight-only FP8: C[m, n] = sum_k A[m, k] B[n, k] * b_scale, A in its 16-bit dtype and each FP8 weight tile
+# widened in registers (no activation quantization; at a few tokens the matmul is bound by reading the weight).
+# BLOCK_SCALES: b_scale[n, kb] per BLOCK_K columns (BLOCK_K is then the block width); else b_scale[n], applied at
+# the end.
+@triton.jit
+def weight_only_gemm(
+    a_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_bsn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0).to(a.dtype)
+        if BLOCK_SCALES:
+            b_s = tl.load(bs_ptr + offs_n * stride_bsn + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * b_s[None, :]
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if not BLOCK_SCALES:
+        acc *= tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
