@@ -4,15 +4,13 @@
 
 Paths: ``bf16`` (``F.linear``, the unquantized baseline), ``scaled_mm`` (per-token x per-channel through
 ``torch._scaled_mm``, activation quantization included), ``block`` (the Triton block kernel, 128x128 weight
-blocks, activation quantization included), ``dequant`` (de-quantize then bf16 matmul, the fallback) and
+blocks, activation quantization included), ``dequant`` (de-quantize then bf16 matmul, the fallback), the
+load-time tuning's other candidates (``scaled_mm_fast``, ``tensor_epi``, ``w8a8``, ``weight_only`` /
+``weight_only_block``: see kernels.py; ``--sweep`` adds the W8A8 tiles the tuning tries as
+``w8_<BM>_<BN>_<BK>_w<warps>_s<stages>`` and weight-only tiles as ``wo_<BLOCK_N>_w<warps>_s<stages>``),
 ``gemm_rowwise`` / ``gemm_tensor`` (``torch._scaled_mm`` alone on activations quantized beforehand, row-wise
-or per-tensor scales), ``weight_only`` / ``weight_only_block`` (weight_only.py beside this script: a Triton
-kernel that widens FP8 weight tiles and keeps the activations in bf16; ``--sweep`` adds its tile configs as
-``wo_<BLOCK_N>_w<warps>_s<stages>``), ``w8a8`` / ``tensor_epi`` (w8a8.py: a Triton FP8 GEMM with both scales in its
-epilogue, and cuBLASLt's unit-scale FP8 GEMM plus an in-place scaling kernel; ``--sweep`` adds the Triton
-kernel's tiles as ``w8_<BM>_<BN>_<BK>_w<warps>_s<stages>``), ``gemm_rowwise_fast`` / ``gemm_tensor_fast`` (the same with
-``use_fast_accum``), ``fi_bmm_fp8`` / ``fi_blockscale_sm90`` (FlashInfer's, with ``--flashinfer``, where its build
-has them) and
+or per-tensor scales) and ``gemm_rowwise_fast`` / ``gemm_tensor_fast`` (the same with ``use_fast_accum``),
+``fi_bmm_fp8`` / ``fi_blockscale_sm90`` (FlashInfer's, with ``--flashinfer``, where its build has them) and
 ``scaled_mm_1x128`` (torch's own 1x128 x 1x128 block-scaled ``_scaled_mm``, where this torch build has it).
 Each is timed with CUDA events (median of ``--iters`` after ``--warmup``; with ``--graph``, each timing replays
 a CUDA graph of 20 calls, which leaves out the host's launch cost as the engine's decode graphs do, and is
@@ -31,9 +29,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-import w8a8  # this folder's candidate kernels (the script's folder is on sys.path)
-import weight_only
 from minisgl_plugin_fp8 import kernels
+from minisgl_plugin_fp8.method import W8A8_TILES
 from minisgl_plugin_fp8.reference import quantize_rows, quantize_token_groups, reference_linear
 from minisgl_plugin_fp8.testing import quantize_weight
 
@@ -139,25 +136,28 @@ def paths(
                 lambda: fg.fp8_blockscale_gemm_sm90(x, bq, weight_scale=block_scale, out_dtype=torch.bfloat16),
                 ref_block,
             )
-    # W8A8 candidates (w8a8.py): the Triton FP8 GEMM with the scales in its epilogue, and cuBLASLt's unit-scale
-    # FP8 GEMM followed by an in-place scaling kernel; --sweep adds the Triton kernel's tiles as w8_<BM>_<BN>_...
-    found["w8a8"] = (lambda: w8a8.w8a8_linear(x, wq, row_scale, None), ref_channel)
-    found["tensor_epi"] = (lambda: w8a8.tensor_epilogue_linear(x, wq, row_scale, None), ref_channel)
+    # The load-time tuning's other candidates (kernels.py): fast accumulation, cuBLASLt's unit-scale GEMM plus a
+    # scaling kernel, the Triton W8A8 GEMM (its default tile; --sweep adds every tile the tuning tries, as
+    # w8_<BM>_<BN>_<BK>_w<warps>_s<stages>) and weight-only FP8 (--sweep: its tiles as wo_<BN>_w<warps>_s<stages>).
+    one = torch.ones((), device="cuda")
+    found["scaled_mm_fast"] = (lambda: kernels.scaled_mm_linear(x, wq, row_scale, None, fast_accum=True), ref_channel)
+    found["tensor_epi"] = (lambda: kernels.tensor_epilogue_linear(x, wq, row_scale, None, one), ref_channel)
+    found["w8a8"] = (lambda: kernels.w8a8_linear(x, wq, row_scale, None), ref_channel)
+    m = x.shape[0]
     if sweep:
-        for cfg in w8a8.SWEEP:
-            if cfg[0] > 2 * max(16, x.shape[0]):  # row tiles far taller than the tokens
-                continue
-            name = "w8_" + "_".join(str(v) for v in cfg[:3]) + f"_w{cfg[3]}_s{cfg[4]}"
-            found[name] = (partial(w8a8.w8a8_linear, x, wq, row_scale, None, cfg), ref_channel)
-    found["weight_only"] = (lambda: weight_only.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
-    found["weight_only_block"] = (lambda: weight_only.weight_only_linear(x, bq, per_row, 128, None), ref_block)
-    if sweep and x.shape[0] <= 256:
-        block_m = weight_only.weight_only_config(x.shape[0], n)[0]
+        for tile, lo, hi in W8A8_TILES:
+            if lo < m <= hi:
+                name = "w8_" + "_".join(str(v) for v in tile[:3]) + f"_w{tile[3]}_s{tile[4]}"
+                found[name] = (partial(kernels.w8a8_linear, x, wq, row_scale, None, tile), ref_channel)
+    found["weight_only"] = (lambda: kernels.weight_only_linear(x, wq, row_scale, None, None), ref_channel)
+    found["weight_only_block"] = (lambda: kernels.weight_only_linear(x, bq, per_row, 128, None), ref_block)
+    if sweep and m <= 256:
+        block_m = kernels.weight_only_tile(m, n)[0]
         for block_n in (32, 64, 128):
             for warps, stages in ((4, 3), (4, 5), (8, 4)):
-                cfg = (block_m, block_n, warps, stages)
+                tile = (block_m, block_n, 128, warps, stages)
                 found[f"wo_{block_n}_w{warps}_s{stages}"] = (
-                    partial(weight_only.weight_only_linear, x, wq, row_scale, None, None, cfg),
+                    partial(kernels.weight_only_linear, x, wq, row_scale, None, None, tile),
                     ref_channel,
                 )
 

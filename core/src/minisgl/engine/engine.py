@@ -233,6 +233,9 @@ class Engine:
         num_pages = cfg.num_pages
         if num_pages is None:
             if self.device.type == "cuda":
+                # Blocks the caching allocator holds but no tensor uses (a float weight quantized at load, the
+                # load-time GEMM tuning's buffers) count as taken in mem_get_info: hand them back first.
+                torch.cuda.empty_cache()
                 budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
             else:
                 budget = int(cfg.cpu_kv_cache_gb * (1 << 30))
