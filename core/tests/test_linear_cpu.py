@@ -133,3 +133,35 @@ def test_load_weights_error_names_checkpoint_tensor_and_parameter() -> None:
         r"\(closest: 'model.layers.0.mlp.gate_up_proj.weight'\)",
     ):
         model.load_weights([("model.layers.0.mlp.gate_up.weight", torch.zeros(48, 16))])
+
+
+def test_a_parameter_under_two_names_loads_from_either_and_is_then_complete() -> None:
+    """A quantization method may register one scale under each name checkpoints give it (``weight_scale_inv`` and
+    ``weight_scale``): loading either name fills it, and only a parameter loaded under no name is missing."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from minisgl.layers import RowParallelLinear
+    from minisgl.models import CausalLM, ModelContext
+
+    class Aliased(CausalLM):
+        def make_layer(self, layer_id: int) -> nn.Module:
+            kw = {"tp": self.ctx.tp, "comm": self.ctx.comm, "dtype": torch.float32, "device": torch.device("cpu")}
+            proj = RowParallelLinear(16, 16, **kw)
+            proj.register_parameter("alias", proj.weight)
+            return nn.ModuleDict({"proj": proj})
+
+    cfg = SimpleNamespace(
+        architectures=["Aliased"], vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+        rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    others = [("model.embed_tokens.weight", torch.zeros(32, 16)), ("model.norm.weight", torch.ones(16))]
+    others.append(("lm_head.weight", torch.zeros(32, 16)))
+    for name in ("weight", "alias"):
+        model = Aliased(ModelContext(cfg, torch.float32, torch.device("cpu")))
+        model.load_weights([*others, (f"model.layers.0.proj.{name}", torch.full((16, 16), 2.0))])
+        assert model.model.layers[0]["proj"].weight.eq(2.0).all()
+    model = Aliased(ModelContext(cfg, torch.float32, torch.device("cpu")))
+    with pytest.raises(KeyError, match=r"missing weights for: model.layers.0.proj.weight"):
+        model.load_weights(others)

@@ -182,7 +182,7 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into this rank's parameters; error on anything missing."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        loaded: set[int] = set()  # ids of the parameters loaded (one registered under two names loads by either)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
@@ -211,11 +211,11 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor '{name}' {tuple(tensor.shape)} does not load into parameter "
                     f"'{target}' {tuple(param.shape)}{via} of {type(self).__name__}: {exc}"
                 ) from exc
-            loaded.add(target)
-        expected = {n for n, _ in self.named_parameters()}
+            loaded.add(id(param))
+        expected = {n: p for n, p in self.named_parameters()}
         if self.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - loaded)
+            expected.pop("lm_head.weight", None)
+        missing = sorted(n for n, p in expected.items() if id(p) not in loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise KeyError(f"checkpoint is missing weights for: {shown}{self._quantized_hint()}")

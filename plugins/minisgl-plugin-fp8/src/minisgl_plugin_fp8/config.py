@@ -25,6 +25,8 @@ class FP8Scheme:
     ``tensor`` (one per checkpoint tensor); ``scale_name``: the checkpoint's scale tensor suffix; activations are
     always quantized at run time: per token (``channel``/``tensor``) or per token and ``block[1]`` columns
     (``block``). ``layout`` says where the scheme came from (``online``: quantized at load from a bf16 checkpoint).
+    ``scale_aliases``: other suffixes the same scale is read from (per-tensor ``fp8`` checkpoints name it
+    ``weight_scale_inv`` or, as AutoFP8 writes them, ``weight_scale``).
     """
 
     layout: Literal["fp8", "compressed-tensors", "online"]
@@ -32,6 +34,7 @@ class FP8Scheme:
     scale_name: str
     block: tuple[int, int] | None = None
     ignore: tuple[str, ...] = ()  # module names (or "re:" patterns) the checkpoint left unquantized
+    scale_aliases: tuple[str, ...] = ()
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint module ``module`` (``model.layers.0.self_attn.q_proj``) is left unquantized."""
@@ -105,7 +108,7 @@ def _parse_hf(config: dict[str, Any]) -> FP8Scheme:
     ignore = _names(config.get("modules_to_not_convert") or config.get("ignored_layers"), "modules_to_not_convert")
     block = config.get("weight_block_size")
     if block is None:
-        return FP8Scheme("fp8", "tensor", "weight_scale_inv", ignore=ignore)
+        return FP8Scheme("fp8", "tensor", "weight_scale_inv", ignore=ignore, scale_aliases=("weight_scale",))
     if not (isinstance(block, Sequence) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise _refuse("weight_block_size", block, "two positive integers, e.g. [128, 128]")
     return FP8Scheme("fp8", "block", "weight_scale_inv", (int(block[0]), int(block[1])), ignore)

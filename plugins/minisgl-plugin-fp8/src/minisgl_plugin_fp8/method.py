@@ -126,6 +126,8 @@ class FP8Method(QuantMethod):
             scale = new_param(layer.out_features, dtype=torch.float32, device=device)
         scale.weight_loader = partial(self._load_scale, layer)  # type: ignore[attr-defined]
         setattr(layer, scheme.scale_name, scale)
+        for alias in scheme.scale_aliases:  # the same parameter under the checkpoint's other name for it
+            layer.register_parameter(alias, scale)
 
     def _load_scale(self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         """Expand a checkpoint scale to one row of scales per weight row, then load it as the weight's rows."""
@@ -227,7 +229,8 @@ class FP8Method(QuantMethod):
         if path == "reference":
             scale = getattr(layer, self.scale_name)
             weight = dequantize(layer.weight.data, scale.data, self.block_k, layer.dtype)
-            delattr(layer, self.scale_name)
+            for name in (self.scale_name, *self.scheme.scale_aliases):
+                delattr(layer, name)
             layer.weight = nn.Parameter(weight, requires_grad=False)
         elif self.tune and path in ("scaled_mm", "block") and layer.weight.is_cuda:
             self._tune(layer, path)

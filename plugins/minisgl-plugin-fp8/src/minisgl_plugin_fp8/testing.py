@@ -6,6 +6,8 @@ Layouts (``LAYOUTS``):
 - ``fp8-block``: ``quant_method: fp8``, ``weight_block_size: [128, 128]``: ``weight`` float8_e4m3fn and
   ``weight_scale_inv`` float32 ``[ceil(out / 128), ceil(in / 128)]`` (the last row and column blocks partial);
 - ``fp8-tensor``: ``quant_method: fp8``, ``weight_block_size: null``: one float32 ``weight_scale_inv`` (shape []);
+- ``autofp8``: ``quant_method: fp8`` as AutoFP8 writes it with dynamic activations (no ``weight_block_size``,
+  ``ignored_layers``): one float32 ``weight_scale`` (shape []) per weight;
 - ``ct-channel``: ``compressed-tensors``, ``float-quantized``: ``weight`` + ``weight_scale`` ``[out, 1]``,
   input activations dynamic per token;
 - ``ct-tensor``: the same with ``strategy: tensor`` (``weight_scale`` ``[1]``).
@@ -25,13 +27,15 @@ import torch
 
 from .reference import FP8, FP8_MAX
 
-LAYOUTS = ("fp8-block", "fp8-tensor", "ct-channel", "ct-tensor")
+LAYOUTS = ("fp8-block", "fp8-tensor", "autofp8", "ct-channel", "ct-tensor")
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantization_config(layout: str, ignore: Sequence[str] = ()) -> dict[str, Any]:
     """The ``quantization_config`` the tools write for ``layout`` (``ignore``: modules left unquantized,
     besides ``lm_head``)."""
+    if layout == "autofp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head", *ignore]}
     if layout.startswith("fp8-"):
         return {
             "quant_method": "fp8",
@@ -94,12 +98,14 @@ def quantize_weight(weight: torch.Tensor, layout: str) -> tuple[dict[str, torch.
         q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rb * 128, cb * 128)[:out, :cols]
         full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :cols]
         return {"weight": q.contiguous(), "weight_scale_inv": scale}, q.float() * full
-    if layout in ("fp8-tensor", "ct-tensor"):
+    if layout in ("fp8-tensor", "autofp8", "ct-tensor"):
         scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12)
         q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        name, stored = (
-            ("weight_scale_inv", scale.reshape(())) if layout == "fp8-tensor" else ("weight_scale", scale.reshape(1))
-        )
+        name, stored = {
+            "fp8-tensor": ("weight_scale_inv", scale.reshape(())),
+            "autofp8": ("weight_scale", scale.reshape(())),
+            "ct-tensor": ("weight_scale", scale.reshape(1)),
+        }[layout]
         return {"weight": q, name: stored.float()}, q.float() * scale
     if layout == "ct-channel":
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [out, 1]
