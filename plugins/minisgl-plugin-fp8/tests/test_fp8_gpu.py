@@ -214,6 +214,22 @@ def test_layers_choose_a_kernel_and_match_the_reference(scheme: str) -> None:
         assert rel_err(layer(x), reference_w8a8_linear(x, layer.weight, scale, block_k, None)) < 0.02
 
 
+def _decisive_agreement(ref_outs, got_outs, margin: float) -> int:  # noqa: ANN001
+    """Assert that ``got`` picks ``ref``'s greedy token wherever ``ref``'s top token leads the runner-up by more
+    than ``margin`` nats, up to each prompt's first difference; return how many decisive tokens were compared."""
+    decisive = 0
+    for ref, got in zip(ref_outs, got_outs, strict=True):
+        for lp, token in zip(ref.logprobs, got.token_ids, strict=False):
+            ranked = sorted((v for _, v in lp.top), reverse=True)
+            lead = ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+            if lead > margin:
+                decisive += 1
+                assert token == lp.token_id, f"chose {token} where the reference's {lp.token_id} led by {lead:.2f}"
+            if token != lp.token_id:
+                break
+    return decisive
+
+
 def test_bf16_and_fp8_greedy_agree_on_a_tiny_model(tmp_path) -> None:
     """The same tiny model in bf16 and quantized at load to FP8: wherever bf16's greedy choice is decisive
     (its top token leads the runner-up by more than ``MARGIN`` nats), FP8 picks the same token.
@@ -224,7 +240,6 @@ def test_bf16_and_fp8_greedy_agree_on_a_tiny_model(tmp_path) -> None:
     from minisgl import LLM, SamplingParams
     from minisgl.testing.models import random_prompts, save_tiny_model
 
-    margin = 0.5
     save_tiny_model("LlamaForCausalLM", tmp_path, hidden_size=256, intermediate_size=512, head_dim=64)
     prompts = random_prompts([9, 21, 40, 64, 12, 30, 50, 17], vocab_size=512, seed=1)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -232,16 +247,26 @@ def test_bf16_and_fp8_greedy_agree_on_a_tiny_model(tmp_path) -> None:
     for quant in ("none", "fp8"):
         with LLM(str(tmp_path), device="cuda", dtype="bfloat16", quantization=quant, cuda_graph_max_bs=0) as llm:
             outs[quant] = llm.generate(prompts, params)
-    decisive = 0
-    for ref, got in zip(outs["none"], outs["fp8"], strict=True):
-        for lp, token in zip(ref.logprobs, got.token_ids, strict=False):
-            ranked = sorted((v for _, v in lp.top), reverse=True)
-            lead = ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
-            if lead > margin:
-                decisive += 1
-                assert token == lp.token_id, f"FP8 chose {token} where bf16's {lp.token_id} led by {lead:.2f} nats"
-            if token != lp.token_id:
-                break
+    decisive = _decisive_agreement(outs["none"], outs["fp8"], margin=0.5)
+    assert decisive >= 4, f"only {decisive} decisive greedy choices: the comparison tested too little"
+
+
+def test_fp8_weights_under_cuda_graphs_agree_with_eager_decode(tmp_path) -> None:
+    """An FP8 model (quantized at load, GEMMs tuned) decoding in CUDA graphs picks the eager engine's greedy
+    token wherever that one is decisive (0.5 nats, as against bf16: each engine tunes its own GEMMs, and two
+    candidates may quantize activations differently, weight-only FP8 not at all)."""
+    from minisgl import LLM, SamplingParams
+    from minisgl.testing.models import random_prompts, save_tiny_model
+
+    save_tiny_model("LlamaForCausalLM", tmp_path, hidden_size=256, intermediate_size=512, head_dim=64)
+    prompts = random_prompts([9, 21, 40, 64, 12, 30, 50], vocab_size=512, seed=2)  # 7: a padded graph batch
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for graphs in (0, 16):
+        kw = {"quantization": "fp8", "cuda_graph_max_bs": graphs}
+        with LLM(str(tmp_path), device="cuda", dtype="bfloat16", **kw) as llm:
+            outs[graphs] = llm.generate(prompts, params)
+    decisive = _decisive_agreement(outs[0], outs[16], margin=0.5)
     assert decisive >= 4, f"only {decisive} decisive greedy choices: the comparison tested too little"
 
 
