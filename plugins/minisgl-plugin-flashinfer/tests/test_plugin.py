@@ -45,3 +45,13 @@ def test_auto_picks_flashinfer_on_cuda_when_installed() -> None:
         assert reg.get("attention", "flashinfer").supports("cuda") == (
             importlib.util.find_spec("flashinfer") is not None
         )
+
+
+def test_the_tensor_core_override_reads_on_off_and_auto() -> None:
+    from minisgl_plugin_flashinfer.backend import _tensor_cores_from_env
+
+    assert [_tensor_cores_from_env(v) for v in (None, "", "auto", " AUTO ")] == [None] * 4
+    assert [_tensor_cores_from_env(v) for v in ("1", "true", "on")] == [True] * 3
+    assert [_tensor_cores_from_env(v) for v in ("0", "false", "off")] == [False] * 3
+    with pytest.raises(ValueError, match=r"MINISGL_FLASHINFER_TENSOR_CORES='maybe': expected 1, 0 or auto"):
+        _tensor_cores_from_env("maybe")

@@ -19,6 +19,7 @@ passed, which saves that multiplication).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
     default they are used whenever each KV head serves two or more query heads.
     On an H200 (16 query / 8 KV heads, head_dim 128, 600-2,000-token contexts)
     they read the cache at 4.15 TB/s against 3.65 TB/s for the CUDA-core kernel
-    at batch 256 (docs/benchmarks/gpu-probe-attention.json).
+    at batch 256 (docs/benchmarks/gpu-probe-attention.json). ``MINISGL_FLASHINFER_TENSOR_CORES`` (``1``/``0``;
+    unset or ``auto``: the default rule) overrides the rule for every engine of the process, for comparisons
+    such as an FP8 KV cache's decode with either kernel.
     """
 
     supports_cuda_graph = True
@@ -75,6 +78,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self._fi = flashinfer
         self.page_size = ctx.page_size
         group = ctx.num_qo_heads // ctx.num_kv_heads
+        if use_tensor_cores is None:
+            use_tensor_cores = _tensor_cores_from_env(os.environ.get("MINISGL_FLASHINFER_TENSOR_CORES"))
         self.use_tensor_cores = group >= 2 if use_tensor_cores is None else use_tensor_cores
         # One float workspace shared by every wrapper: only one of them runs at a time (one stream).
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
@@ -217,3 +222,16 @@ class FlashInferAttnBackend(BaseAttnBackend):
 def _scale_args(k_scale: float, v_scale: float) -> dict[str, float]:
     """``k_scale``/``v_scale`` for ``run()``, leaving out those equal to 1.0."""
     return {name: value for name, value in (("k_scale", k_scale), ("v_scale", v_scale)) if value != 1.0}
+
+
+def _tensor_cores_from_env(value: str | None) -> bool | None:
+    """``MINISGL_FLASHINFER_TENSOR_CORES``: ``1``/``true``/``on`` or ``0``/``false``/``off``; unset, empty or
+    ``auto``: None (the default rule)."""
+    text = (value or "auto").strip().lower()
+    if text == "auto":
+        return None
+    if text in ("1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"MINISGL_FLASHINFER_TENSOR_CORES={value!r}: expected 1, 0 or auto")
