@@ -57,6 +57,7 @@ def test_each_bucket_gets_its_fastest_candidate() -> None:
     assert table.pick(65) is _noisy and table.pick(10**6) is _noisy  # past the last bucket: the last choice
     assert table.name_at(200) == "other" and table.describe() == "<=64 default, >64 other"
     assert all(0 <= r["rel_err"] < 0.05 for r in tuner.results)
+    assert tuner.summary() == {"k": "<=64 default, >64 other"}
 
 
 def test_a_table_is_tuned_once_per_key_and_rebuilt_for_other_candidates() -> None:

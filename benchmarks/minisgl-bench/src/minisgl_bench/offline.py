@@ -200,6 +200,9 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         "kv_pages": llm.scheduler.kv.num_pages,
         "config": {k: v for k, v in _engine_kwargs(args).items()},
     }
+    tuner = getattr(engine.quant, "tuner", None)  # a quantization method that measures its kernels at load
+    if tuner is not None and callable(getattr(tuner, "summary", None)):
+        result["gemm_choices"] = tuner.summary()
     llm.check_accounting()
     if args.profile:
         result["profile"] = args.profile

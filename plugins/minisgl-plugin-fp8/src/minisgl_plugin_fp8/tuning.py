@@ -97,6 +97,10 @@ class GemmTuner:
         #: One row per (shape, bucket, candidate): milliseconds or why it was left out (for logs and benchmarks).
         self.results: list[dict[str, Any]] = []
 
+    def summary(self) -> dict[str, str]:
+        """What each tuned layer shape runs, ``{str(key): "<=64 w8a8_..., >64 scaled_mm_fast"}`` (benchmarks)."""
+        return {str(key): describe(self.buckets, names) for key, names in self._tables.items()}
+
     def table(
         self,
         key: Any,
