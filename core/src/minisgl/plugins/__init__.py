@@ -9,5 +9,6 @@ from .registry import core_version, load_plugins
 from .specs import KINDS, AttentionBackendSpec, ComponentSpec, Kind, KVPoolSpec, ModelSpec
 from .specs import MoEBackendSpec, PluginError, PluginWarning, PrefixCacheSpec, UnknownComponentError
 from .specs import GrammarBackendSpec, KernelSetSpec, QuantizationSpec, Unsupported, resolve
-from .quantization import QuantChoice, choose_quantization, read_model_config, read_quantization_config
+from .quantization import QuantChoice, choose_quantization, quantization_config_of, read_model_config
+from .quantization import read_quantization_config
 from .firstparty import FIRST_PARTY, install_hint

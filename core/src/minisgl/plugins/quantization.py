@@ -36,11 +36,15 @@ def read_model_config(path: str | Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def read_quantization_config(path: str | Path) -> dict[str, Any] | None:
-    """``quantization_config`` of a model directory's ``config.json`` or of a config file (None without one)."""
-    config = read_model_config(path)
+def quantization_config_of(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a model config read by :func:`read_model_config` (None without one)."""
     found = config.get("quantization_config") if config is not None else None
     return found if isinstance(found, dict) and found else None
+
+
+def read_quantization_config(path: str | Path) -> dict[str, Any] | None:
+    """``quantization_config`` of a model directory's ``config.json`` or of a config file (None without one)."""
+    return quantization_config_of(read_model_config(path))
 
 
 def _installed(registry: PluginRegistry) -> str:

@@ -191,8 +191,8 @@ def preflight(settings: ServeSettings) -> list[str]:
         UnknownComponentError,
         choose_quantization,
         load_plugins,
+        quantization_config_of,
         read_model_config,
-        read_quantization_config,
     )
 
     device = settings.device
@@ -236,7 +236,7 @@ def preflight(settings: ServeSettings) -> list[str]:
     # is what the chosen method says it cannot load (a setting of the checkpoint's config, a model kind).
     config_file = settings.hf_config_path or model_dir
     model_config = (read_model_config(config_file) if config_file is not None else None) or {}
-    quant_config = read_quantization_config(config_file) if config_file is not None else None
+    quant_config = quantization_config_of(model_config)
     try:
         choice = choose_quantization(registry, settings.quantization, quant_config, target or "cpu")
     except UnknownComponentError as exc:
