@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from functools import partial
 
@@ -33,42 +32,13 @@ from minisgl_plugin_fp8 import kernels
 from minisgl_plugin_fp8.method import W8A8_TILES
 from minisgl_plugin_fp8.reference import quantize_rows, quantize_token_groups, reference_linear
 from minisgl_plugin_fp8.testing import quantize_weight
+from minisgl_plugin_fp8.tuning import cuda_timer
 
 # Qwen3-8B: hidden 4096, 32 q heads and 8 KV heads of 128, intermediate 12288. (name, N, K)
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096), ("down_proj", 4096, 12288)]
 
 
-def time_call(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn`` on the current stream."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 GRAPH_CALLS = 20
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured ``GRAPH_CALLS`` times in one CUDA graph (after a warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return graph.replay
 
 
 def paths(
@@ -201,10 +171,10 @@ def main() -> None:
                 if only and path not in only and not any(path.startswith(p) for p in only if p.endswith("_")):
                     continue
                 try:
-                    if args.graph:
-                        ms = time_call(graphed(call), args.warmup, args.iters) / GRAPH_CALLS
-                    else:
-                        ms = time_call(call, args.warmup, args.iters)
+                    for _ in range(args.warmup):
+                        call()
+                    calls = GRAPH_CALLS if args.graph else 1
+                    ms = cuda_timer(call, m, calls=calls, repeats=args.iters, graph_timing=args.graph)
                     err = float((call().float() - ref).norm() / ref.norm())
                 except Exception as exc:  # one path that fails (a Triton build, a cuBLASLt shape) costs its row only
                     print(f"{name:14} {m:5d} {path:16} failed: {str(exc).splitlines()[0][:160]}")

@@ -108,6 +108,20 @@ def test_weight_only_kernel(layout: str, m: int, k: int, n: int, bias: bool) -> 
     assert rel_err(y, reference_linear(x, w, scale, block_k, b)) < 0.02
 
 
+def _load_random_weights(layer: torch.nn.Module, method: FP8Method, scheme: str) -> None:
+    """Random weights into ``layer`` as a checkpoint of ``scheme`` holds them (``block``: FP8 with block scales;
+    ``online``: bf16, quantized by the method), then the method's after-loading step."""
+    full = torch.randn(layer.out_features, layer.in_features) * layer.in_features**-0.5
+    if scheme == "block":
+        parts, _ = quantize_weight(full, "fp8-block")
+        layer.weight.weight_loader(layer.weight, parts["weight"].cuda())
+        scale = layer.weight_scale_inv
+        scale.weight_loader(scale, parts["weight_scale_inv"].cuda())
+    else:
+        layer.weight.weight_loader(layer.weight, full.to(torch.bfloat16).cuda())
+    method.process_weights_after_loading(layer)
+
+
 @pytest.mark.parametrize("scheme", ["online", "block"])
 def test_load_time_tuning_gives_each_shape_a_table_that_matches_the_reference(scheme: str) -> None:
     """The tuning times the candidates on the first layer of a shape, reuses the table for the next layer of
@@ -118,15 +132,7 @@ def test_load_time_tuning_gives_each_shape_a_table_that_matches_the_reference(sc
     kw = {"dtype": torch.bfloat16, "device": torch.device("cuda"), "quant": method}
     layers = [ColumnParallelLinear(256, [512], **kw), ColumnParallelLinear(256, [512], **kw)]
     for layer in layers:
-        full = torch.randn(layer.out_features, layer.in_features) * layer.in_features**-0.5
-        if scheme == "block":
-            parts, _ = quantize_weight(full, "fp8-block")
-            layer.weight.weight_loader(layer.weight, parts["weight"].cuda())
-            scale = layer.weight_scale_inv
-            scale.weight_loader(scale, parts["weight_scale_inv"].cuda())
-        else:
-            layer.weight.weight_loader(layer.weight, full.to(torch.bfloat16).cuda())
-        method.process_weights_after_loading(layer)
+        _load_random_weights(layer, method, scheme)
     timed = [r for r in method.tuner.results if "ms" in r]
     assert {r["m"] for r in timed} == set(method.tuner.buckets), "every bucket timed at least its default"
     assert len({r["key"] for r in method.tuner.results}) == 1, "the second layer of the shape reused the table"
@@ -199,15 +205,7 @@ def test_layers_choose_a_kernel_and_match_the_reference(scheme: str) -> None:
     ]
     for layer in layers:
         assert layer.fp8_path == ("block" if scheme == "block" else "scaled_mm")
-        full = torch.randn(layer.out_features, layer.in_features) * layer.in_features**-0.5
-        if scheme == "block":
-            parts, _ = quantize_weight(full, "fp8-block")
-            layer.weight.weight_loader(layer.weight, parts["weight"].cuda())
-            scale = layer.weight_scale_inv
-            scale.weight_loader(scale, parts["weight_scale_inv"].cuda())
-        else:
-            layer.weight.weight_loader(layer.weight, full.to(torch.bfloat16).cuda())
-        method.process_weights_after_loading(layer)
+        _load_random_weights(layer, method, scheme)
         x = torch.randn(5, layer.in_features, device="cuda", dtype=torch.bfloat16)
         scale = getattr(layer, method.scale_name)
         block_k = 128 if scheme == "block" else None

@@ -249,7 +249,6 @@ class FP8Method(QuantMethod):
                 exact = dequantize(weight, scale, self.block_k, self.dtype)
             return F.linear(x, exact, bias)
 
-        torch.cuda.synchronize(weight.device)
         table = self.tuner.table(key, self.candidates(path), weight, scale, bias, reference, self.dtype)
         layer.fp8_gemms = table  # type: ignore[assignment]
 

@@ -20,6 +20,15 @@ def quant(x_ptr, q_ptr, s_ptr, K, WIDTH, stride_x, stride_q, fp8_max, BLOCK: tl.
     tl.store(s_ptr + row * tl.num_programs(1) + grp, scale)
 
 
+# The GEMMs' epilogue: C[offs_m, offs_n] = acc (+ bias[offs_n]), rounded to C's dtype, inside M and N.
+@triton.jit
+def _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # C[m, n] = sum over k blocks of (A_blk @ B_blk.T) * a_scale[m, kb] * b_scale[n, kb].
 @triton.jit
 def block_gemm(
@@ -59,10 +68,7 @@ def block_gemm(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
 
 
 # C[m, n] = (sum_k A[m, k] B[n, k]) * a_scale[m] * b_scale[n] (+ bias[n]): per-token x per-channel FP8 (W8A8). The
@@ -111,10 +117,7 @@ def w8a8_gemm(
         b_ptrs += BLOCK_K
     acc = acc * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     acc = acc * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
 
 
 # In place: C[m, n] = C[m, n] * a_scale[m] * b_scale[n] (+ bias[n]); the epilogue of a unit-scale FP8 GEMM.
@@ -131,9 +134,7 @@ def scale_rows_cols(
     c = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
     c = c * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     c = c * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        c += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(ptrs, c.to(c_ptr.dtype.element_ty), mask=ok)
+    _store_tile(c, c_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
 
 
 # Weight-only FP8: C[m, n] = sum_k A[m, k] B[n, k] * b_scale, A in its 16-bit dtype and each FP8 weight tile
@@ -181,7 +182,4 @@ def weight_only_gemm(
         b_ptrs += BLOCK_K
     if not BLOCK_SCALES:
         acc *= tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)

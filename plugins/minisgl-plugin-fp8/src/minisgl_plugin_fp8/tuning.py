@@ -117,22 +117,20 @@ class GemmTuner:
         by_name = {c.name: c for c in candidates}
         names = self._tables.get(key)
         if names is None or any(n not in by_name for n in names):
-            names = self._tune(key, candidates, weight, scale, bias, reference, dtype)
-            self._tables[key] = names
+            names = self._tables[key] = self._tune(key, candidates, (weight, scale, bias), reference, dtype)
         return GemmTable(self.buckets, names, tuple(by_name[n].gemm for n in names))
 
     def _tune(
         self,
         key: Any,
         candidates: Sequence[Candidate],
-        weight: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
+        args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
         reference: Callable[[torch.Tensor], torch.Tensor],
         dtype: torch.dtype,
     ) -> tuple[str, ...]:
+        """The fastest working candidate's name per bucket (``args``: the layer's weight, scale and bias)."""
         started = time.perf_counter()
-        k = weight.shape[1]
+        weight, k = args[0], args[0].shape[1]
         timer = self._timer or cuda_timer
         names = []
         gen = torch.Generator(device=weight.device).manual_seed(0)
@@ -145,11 +143,11 @@ class GemmTuner:
                 if not cand.fits(m):
                     continue
                 try:
-                    err = float((cand.gemm(x, weight, scale, bias).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                    err = float((cand.gemm(x, *args).float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     if not err <= MAX_REL_ERR:  # also NaN
                         row["skipped"] = f"relative error {err:.3g} > {MAX_REL_ERR}"
                     else:
-                        row["ms"] = ms = timer(functools.partial(cand.gemm, x, weight, scale, bias), m)
+                        row["ms"] = ms = timer(functools.partial(cand.gemm, x, *args), m)
                         row["rel_err"] = err
                         if ms < best_ms:
                             best, best_ms = cand.name, ms
@@ -157,9 +155,7 @@ class GemmTuner:
                     row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self.results.append(row)
             names.append(best)
-            del x, ref
-        if weight.is_cuda:
-            torch.cuda.empty_cache()  # the tuning's buffers, before the engine sizes the KV cache
+            del x, ref  # the engine empties the allocator's cache before it sizes the KV pool
         took = time.perf_counter() - started
         logger.info("fp8 GEMM %s: %s (tuned in %.1f s)", key, describe(self.buckets, names), took)
         skipped = {r["candidate"]: r["skipped"] for r in self.results if r["key"] == str(key) and "skipped" in r}
@@ -168,14 +164,17 @@ class GemmTuner:
         return tuple(names)
 
 
-def cuda_timer(fn: Callable[[], object], m: int, calls: int = 10, repeats: int = 5) -> float:
+def cuda_timer(
+    fn: Callable[[], object], m: int, calls: int = 10, repeats: int = 5, graph_timing: bool | None = None
+) -> float:
     """Median milliseconds per call of ``fn`` on the current CUDA device: ``calls`` calls captured in one CUDA
-    graph and replayed ``repeats`` times for up to :data:`GRAPH_MAX_TOKENS` tokens (the decode graphs' view),
-    else ``calls`` eager calls between two events, ``repeats`` times."""
+    graph and replayed ``repeats`` times (the decode graphs' view, which leaves the host's launch cost out), or
+    ``calls`` eager calls between two events, ``repeats`` times. ``graph_timing`` None: graphs for up to
+    :data:`GRAPH_MAX_TOKENS` tokens ``m``."""
     fn()  # compiles a Triton kernel on first use, outside the graph
     torch.cuda.synchronize()
     graph = None
-    if m <= GRAPH_MAX_TOKENS:
+    if m <= GRAPH_MAX_TOKENS if graph_timing is None else graph_timing:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
