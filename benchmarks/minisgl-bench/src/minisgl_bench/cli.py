@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": ("minisgl_bench.offline", "offline throughput (GPU protocol workload, or --workload cpu)"),
     "shared-prefix": ("minisgl_bench.shared_prefix", "prefix-cache benchmark: prompts sharing long prefixes"),
     "serve": ("minisgl_bench.serve", "online serving: a streaming client for any OpenAI-compatible server"),
+    "roofline": ("minisgl_bench.roofline", "the offline workload's hardware floor for a model shape and precision"),
     "steps": ("minisgl_bench.steps_report", "where a server's step time went, per run (from --trace-steps)"),
     "plot": (
         "minisgl_bench.serve_plot",

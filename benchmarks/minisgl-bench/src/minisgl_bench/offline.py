@@ -30,56 +30,20 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-GPU_EXPECTED_OUTPUT_TOKENS = 133_966
-CPU_EXPECTED_OUTPUT_TOKENS = 2_251
-CONFIG_DIR = Path(__file__).parent / "configs"
+from .workloads import (
+    CONFIG_DIR,
+    CPU_EXPECTED_OUTPUT_TOKENS,
+    GPU_EXPECTED_OUTPUT_TOKENS,
+    Workload,
+    cpu_workload,
+    gpu_workload,
+    warmup_workload,
+)
 
-
-@dataclass(frozen=True)
-class Workload:
-    """Prompts (token ids) and the number of tokens to generate for each."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-
-def gpu_workload() -> Workload:
-    """The protocol's 256 requests: all prompts drawn first, then all output lengths."""
-    rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
-    lens = [rng.randint(100, 1024) for _ in range(256)]
-    return Workload(prompts, lens)
-
-
-def cpu_workload() -> Workload:
-    """The protocol's CPU variant: 32 prompts of 16-256 tokens, 16-128 output tokens each."""
-    rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(16, 256))] for _ in range(32)]
-    lens = [rng.randint(16, 128) for _ in range(32)]
-    return Workload(prompts, lens)
-
-
-def warmup_workload(work: Workload) -> Workload:
-    """Eight requests shaped like the workload's first eight, with other token ids.
-
-    The prompts share nothing with the timed ones, so a prefix cache cannot serve
-    the timed run from the warm-up (which would shorten the prefill the baseline pays for).
-    """
-    rng = random.Random(1)
-    prompts = [[rng.randint(0, 10000) for _ in p] for p in work.prompts[:8]]
-    return Workload(prompts, [min(16, n) for n in work.output_lens[:8]])
+__all__ = ["CONFIG_DIR", "Workload", "cpu_workload", "gpu_workload", "main", "warmup_workload", "write_record"]
 
 
 def _git_commit() -> str:
@@ -409,12 +373,43 @@ def main(argv: list[str] | None = None) -> int:
         record["ratio_to_best_transformers"] = ours / best
         print(f"minisgl / best transformers: {ours / best:.2f}x")
     if args.workload == "gpu":
-        record["ratio_to_minisglang_21100"] = ours / 21_100
-        record["ratio_to_bandwidth_floor_38000"] = ours / 38_000
-        print(
-            f"vs Mini-SGLang reference 21,100 tok/s: {ours / 21_100:.2f}x; vs ~38,000 tok/s floor: {ours / 38_000:.2f}x"
-        )
+        _against_floor(args, record, work, ours)
     return _write(args, record)
+
+
+def _model_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The run's model config.json (a dummy run's --model-config, or the model directory's), if there is one."""
+    if args.load_format == "dummy":
+        path = Path(args.model_config) if args.model_config else CONFIG_DIR / "qwen3-0.6b.json"
+    else:
+        path = Path(args.model) / "config.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _against_floor(args: argparse.Namespace, record: dict[str, Any], work: Workload, ours: float) -> None:
+    """Set the run against the workload's hardware floor for its model and precision (``roofline``), and
+    the Qwen3-0.6B shape against the protocol's Mini-SGLang reference, measured on that shape only."""
+    from .roofline import ModelShape, floor, precision_of, table
+
+    config = _model_config(args)
+    if config is None:
+        return
+    if args.load_format == "dummy" and not args.model_config:
+        record["ratio_to_minisglang_21100"] = ours / 21_100
+        print(f"vs Mini-SGLang's reference on this shape, 21,100 tok/s: {ours / 21_100:.2f}x")
+    try:
+        shape = ModelShape.from_config(config)
+    except ValueError as exc:
+        print(f"no hardware floor: {exc}")
+        return
+    chunk = args.chunked_prefill_size or 8192
+    result = floor(shape, work, precision_of(config, args.quantization, args.kv_cache_dtype), chunk=chunk)
+    record["floor"] = result.to_dict()
+    record["ratio_to_floor"] = ours / result.tok_s
+    print(table(result, ours))
 
 
 def _write(args: argparse.Namespace, record: dict[str, Any]) -> int:
