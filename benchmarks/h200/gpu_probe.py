@@ -6,7 +6,8 @@ Run on a CUDA machine from the repository root (minisgl, its plugins and minisgl
     PROBE_HEADS=32 PROBE_KV=bf16,fp8_e4m3 python3 benchmarks/h200/gpu_probe.py attention OUT_DIR  # 8B, FP8 KV
     python3 benchmarks/h200/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
 
-``attention`` times FlashInfer's paged decode kernel alone, at the shapes of the offline benchmark
+``attention`` times FlashInfer's paged decode kernel alone (and TensorRT-LLM's XQA at page 16 unless
+PROBE_XQA=0), at the shapes of the offline benchmark
 (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16) for batch 64 and 256 with 600..2000-token
 contexts, and reports the KV bytes read per second. ``window`` runs the offline workload and profiles 20
 decode steps in the middle of it (batch near 256): wall time per step against the device's kernel time
@@ -72,7 +73,61 @@ def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if ps in XQA_PAGE_SIZES and os.environ.get("PROBE_XQA", "1") != "0":
+                for kv_name in kv_dtypes:
+                    row = _xqa(q, lens, counts, perm, ps, hkv, kv_name)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     return rows
+
+
+XQA_PAGE_SIZES = (16,)  # the engine's default page size (each page size is another XQA build)
+
+
+def _xqa(q: torch.Tensor, lens: list[int], counts: list[int], perm: torch.Tensor, ps: int, hkv: int, kv: str) -> dict:
+    """TensorRT-LLM's XQA decode (what ``--attn flashinfer,trtllm-xqa`` decodes with) on the same pages."""
+    from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+    dev, (bs, hq, d) = q.device, q.shape
+    kv_dtype = torch.float8_e4m3fn if kv.startswith("fp8") else torch.bfloat16
+    pages = int(perm.numel())
+    k = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
+    v = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
+    tables = torch.zeros(bs, max(counts), dtype=torch.int32, device=dev)
+    start = 0
+    for i, c in enumerate(counts):
+        tables[i, :c] = perm[start : start + c]
+        start += c
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+
+    def run() -> torch.Tensor:
+        return trtllm_batch_decode_with_kv_cache(
+            q, (k, v), ws, tables, seq_lens, max(lens), bmm1_scale=d**-0.5, kv_layout="NHD", backend="xqa"
+        )
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 50
+    start_ev.record()
+    for _ in range(n):
+        run()
+    end_ev.record()
+    torch.cuda.synchronize()
+    us = start_ev.elapsed_time(end_ev) / n * 1000
+    kv_bytes = sum(lens) * hkv * d * 2 * kv_dtype.itemsize
+    return {
+        "batch": bs,
+        "q_heads": hq,
+        "kv_dtype": kv,
+        "page_size": ps,
+        "kernel": "xqa",
+        "us": round(us, 1),
+        "kv_tb_s": round(kv_bytes / us / 1e6, 2),
+        "tokens": sum(lens),
+    }
 
 
 def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:

@@ -17,27 +17,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-# (dtype, page size, head_dim, query heads per KV head): the shapes of tests/test_trtllm_gpu.py
-# (conformance kit, random batches, tiny Qwen3 and Llama models) and gpu/bench_decode.py.
+# (dtype, KV dtype, page size, head_dim, query heads per KV head): the shapes of tests/test_trtllm_gpu.py
+# (conformance kit, random batches, tiny Qwen3 and Llama models), gpu/bench_decode.py and
+# benchmarks/h200/gpu_probe.py (xqa rows).
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 XQA_SHAPES = [
-    (torch.bfloat16, 16, 128, 1),
-    (torch.bfloat16, 16, 128, 2),
-    (torch.bfloat16, 16, 128, 4),
-    (torch.bfloat16, 16, 64, 4),
-    (torch.bfloat16, 64, 128, 2),
-    (torch.float16, 16, 128, 2),
-    (torch.bfloat16, 16, 256, 2),
+    (BF16, BF16, 16, 128, 1),
+    (BF16, BF16, 16, 128, 2),
+    (BF16, BF16, 16, 128, 4),
+    (BF16, BF16, 16, 64, 4),
+    (BF16, BF16, 64, 128, 2),
+    (FP16, FP16, 16, 128, 2),
+    (BF16, BF16, 16, 256, 2),
+    (BF16, FP8, 16, 128, 4),  # FP8 cache: conformance kit, random batches, the 8B probe
+    (BF16, FP8, 16, 128, 2),  # FP8 cache: the tiny Qwen3 model
 ]
 
 
 def main() -> int:
     from flashinfer.jit.xqa import gen_xqa_module
 
-    def build(shape: tuple[torch.dtype, int, int, int]) -> str:
-        dt, ps, d, group = shape
+    def build(shape: tuple[torch.dtype, torch.dtype, int, int, int]) -> str:
+        dt, kv, ps, d, group = shape
         t0 = time.perf_counter()
         try:
-            gen_xqa_module(dt, dt, ps, d, group, False, dt).build(verbose=False)
+            gen_xqa_module(dt, kv, ps, d, group, False, dt).build(verbose=False)
         except Exception as exc:  # the tests then compile it on demand and report what fails
             return f"PREBUILD xqa {shape} FAILED after {time.perf_counter() - t0:.0f}s: {type(exc).__name__}: {exc}"
         return f"PREBUILD xqa {shape} built in {time.perf_counter() - t0:.0f}s"

@@ -55,6 +55,16 @@ class TestEmulatedXqa(AttentionBackendConformance):
     head_dims = (64,)
 
 
+class TestEmulatedXqaFP8KV(AttentionBackendConformance):
+    """XQA decode over an FP8 KV cache whose layers have k/v scales other than 1.0: each layer's call carries
+    ``softmax_scale * k_scale`` and ``v_scale``; prefill through the torch fallback, which de-quantizes."""
+
+    backend = staticmethod(emulated("xqa", with_context=False))
+    kv_cache_dtype = "fp8_e4m3"
+    gqa_ratios = (2,)
+    head_dims = (64,)
+
+
 # ------------------------------------------------------------------ a hand-made pool and table
 MAX_REQS, MAX_SEQ = 8, 256
 
@@ -201,7 +211,8 @@ def _cuda_ctx(**overrides: Any) -> AttentionContext:
     """A context that claims a CUDA device (the checks only read shapes and dtypes)."""
     shape = {"heads": 16, "kv_heads": 8, "head_dim": 128, "page_size": 16, "dtype": torch.bfloat16, **overrides}
     cpu = torch.device("cpu")
-    layout = KVLayout(1, 4, shape["page_size"], shape["kv_heads"], shape["head_dim"], shape["dtype"], cpu)
+    kv_dtype = shape.get("kv_dtype", shape["dtype"])
+    layout = KVLayout(1, 4, shape["page_size"], shape["kv_heads"], shape["head_dim"], kv_dtype, cpu)
     return AttentionContext(
         shape["heads"], shape["kv_heads"], shape["head_dim"], shape["page_size"], MHAKVPool(layout),
         torch.zeros(2, 64, dtype=torch.int32), 2, 64, shape["dtype"], torch.device("cuda"),
@@ -215,11 +226,35 @@ def _cuda_ctx(**overrides: Any) -> AttentionContext:
         ({"page_size": 1}, "page size 1 is not supported"),
         ({"dtype": torch.float32}, "dtype torch.float32"),
         ({"heads": 64, "kv_heads": 2}, "32 query heads per KV head"),
+        ({"kv_dtype": torch.float16}, "a torch.float16 KV pool is not supported"),
     ],
 )
 def test_xqa_factory_rejects_shapes_it_cannot_run(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_xqa(_cuda_ctx(**overrides))
+
+
+def test_an_fp8_pool_passes_the_xqa_check_and_not_trtllm_gen() -> None:
+    fp8 = _cuda_ctx(kv_dtype=torch.float8_e4m3fn)
+    backend_mod._check_shape(fp8, "trtllm-xqa", backend_mod.XQA_PAGE_SIZES, fp8_kv=True)
+    with pytest.raises(ValueError, match=r"^trtllm backend: .*float8_e4m3fn KV pool .* of the model dtype\)"):
+        build_trtllm_gen(fp8)
+
+
+def test_each_layer_passes_its_kv_scales_to_the_kernel() -> None:
+    """The scores' scale folds in the layer's k_scale, the output's is its v_scale; a 16-bit pool passes none."""
+    cpu = torch.device("cpu")
+    layout = KVLayout(2, 9, 16, 2, 32, torch.float8_e4m3fn, cpu, k_scales=(0.5, 2.0), v_scales=(4.0, 0.25))
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    ctx = AttentionContext(4, 2, 32, 16, MHAKVPool(layout), table, 2, 64, torch.float32, cpu)
+    backend = emulated("xqa", with_context=False)(ctx)
+    scale = ctx.scale
+    assert backend._layer_scales == [
+        {"bmm1_scale": scale * 0.5, "bmm2_scale": 4.0},
+        {"bmm1_scale": scale * 2.0, "bmm2_scale": 0.25},
+    ]
+    plain = replace(ctx, kv_pool=MHAKVPool(replace(layout, dtype=torch.float32, k_scales=(), v_scales=())))
+    assert emulated("xqa", with_context=False)(plain)._layer_scales == []
 
 
 def test_factories_reject_cpu_and_check_the_gpu_generation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,7 +283,9 @@ class EmulatedPlugin:
     def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
         return [
             AttentionBackendSpec(name="emu-gen", factory=emulated("trtllm-gen", with_context=True)),
-            AttentionBackendSpec(name="emu-xqa", factory=emulated("xqa", with_context=False)),
+            AttentionBackendSpec(
+                name="emu-xqa", factory=emulated("xqa", with_context=False), kv_cache_dtypes=("fp8_e4m3",)
+            ),
         ]
 
 
@@ -285,3 +322,20 @@ def test_engine_greedy_tokens_equal_the_torch_backend(tiny_model: Path) -> None:
     assert calls["emu-xqa"].keys() == calls["torch,emu-xqa"].keys() == {"xqa"}
     for attn in ("emu-gen", "emu-xqa", "torch,emu-xqa"):
         assert outputs[attn] == outputs["torch"], attn
+
+
+def test_engine_over_an_fp8_cache_equals_the_torch_backend(tiny_model: Path) -> None:
+    """``--kv-cache-dtype fp8_e4m3``: XQA's decode (emulated) and the torch reference read the same FP8 cache."""
+    reg = load_plugins(only=["builtin", "emu"], extra=[PluginSource("emu", EmulatedPlugin())], environ={})
+    prompts = random_prompts([5, 70, 1, 33], 256, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs, calls = {}, {}
+    for attn in ("torch", "emu-xqa", "torch,emu-xqa"):
+        with LLM(str(tiny_model), registry=reg, attention_backend=attn, page_size=16, chunked_prefill_size=32,
+                 max_running_requests=4, kv_cache_dtype="fp8_e4m3") as llm:  # fmt: skip
+            assert llm.engine.kv_pool.layout.dtype == torch.float8_e4m3fn
+            outputs[attn] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            llm.check_accounting()
+            calls[attn] = _kernel_calls(llm.engine.attn)
+    assert calls["emu-xqa"].keys() == calls["torch,emu-xqa"].keys() == {"xqa"}
+    assert outputs["emu-xqa"] == outputs["torch"] and outputs["torch,emu-xqa"] == outputs["torch"]

@@ -27,7 +27,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.attention import AttentionContext, HybridAttnBackend, TorchAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.kvcache import KVLayout, MHAKVPool
-from minisgl.testing.attention import AttentionBackendConformance
+from minisgl.testing.attention import QUANTIZED_KV_TOLERANCE, AttentionBackendConformance
 from minisgl.testing.models import random_prompts, save_tiny_model
 
 flashinfer = pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
@@ -89,6 +89,22 @@ class TestXqaConformanceHead64(AttentionBackendConformance):
     pytestmark = XQA
 
 
+class TestXqaFP8KVConformance(AttentionBackendConformance):
+    """XQA over an FP8 cache with per-layer k/v scales (prefill through the torch fallback). On Hopper XQA's FP8
+    kernel also rounds the query and the probabilities to e4m3 (3 mantissa bits), as the cache's keys were, so
+    it is held to the torch reader of the same cache within what quantizing costs, QUANTIZED_KV_TOLERANCE."""
+
+    backend = "trtllm-xqa"
+    device = "cuda"
+    dtype = torch.bfloat16
+    kv_cache_dtype = "fp8_e4m3"
+    atol, rtol = QUANTIZED_KV_TOLERANCE
+    page_sizes = (16,)
+    gqa_ratios = (4,)
+    head_dims = (128,)
+    pytestmark = XQA
+
+
 class TestTrtllmGenConformance(AttentionBackendConformance):
     backend = "trtllm"
     device = "cuda"
@@ -104,7 +120,16 @@ MAX_REQS, MAX_SEQ = 64, 2048
 class Setup:
     """A pool with random contents, randomly placed pages, the backend under test and the torch reference."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, seed: int):
+    def __init__(
+        self,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        seed: int,
+        kv_dtype: torch.dtype | None = None,
+    ):
         from minisgl_plugin_trtllm.backend import build_xqa
 
         self.dev = torch.device("cuda")
@@ -112,9 +137,16 @@ class Setup:
         torch.manual_seed(seed)
         self.ps = page_size
         self.num_pages = MAX_REQS * MAX_SEQ // page_size + 1
-        layout = KVLayout(2, self.num_pages, page_size, kv_heads, head_dim, dtype, self.dev)
+        kv_dtype = kv_dtype or dtype
+        scales: dict[str, tuple[float, ...]] = {}
+        if kv_dtype != dtype:  # a quantized cache: scales other than 1.0, so a backend that drops them fails
+            scales = {"k_scales": (0.5, 2.0), "v_scales": (2.0, 0.25)}
+        layout = KVLayout(2, self.num_pages, page_size, kv_heads, head_dim, kv_dtype, self.dev, **scales)
         self.pool = MHAKVPool(layout)
-        self.pool._buffer.normal_()
+        if kv_dtype == dtype:
+            self.pool._buffer.normal_()
+        else:  # N(0, 1) values in the cache's format (float8 has no normal_)
+            self.pool._buffer.copy_(torch.randn(self.pool._buffer.shape, device=self.dev).to(kv_dtype))
         self.table = torch.zeros(MAX_REQS, MAX_SEQ, dtype=torch.int32, device=self.dev)
         self.ctx = AttentionContext(
             heads, kv_heads, head_dim, page_size, self.pool, self.table, MAX_REQS, MAX_SEQ, dtype, self.dev
@@ -188,6 +220,27 @@ def test_xqa_decode_matches_torch(
     assert rel_err(again.view_as(out), out) < 1e-3
     err = rel_err(out, s.reference(batch, q, k, v, 1))
     assert err < 1e-2, f"relative error {err:.2e} against the torch backend"
+
+
+@pytest.mark.parametrize("lens", ["mixed", "batch64"])
+@marks(*XQA)
+def test_xqa_fp8_decode_matches_torch(lens: str) -> None:
+    """The 8B shapes (32 query heads, 8 KV heads, head_dim 128) over an FP8 cache with per-layer scales, against
+    the torch backend reading the same cache. The bound, 5 % of the output's norm, is what rounding the query
+    and the probabilities to e4m3 costs on N(0, 1) data (a dropped k or v scale is off by 50 % or more)."""
+    s = Setup(32, 8, 128, 16, torch.bfloat16, seed=3, kv_dtype=torch.float8_e4m3fn)
+    sizes = [1, 15, 16, 17, 64, 300, 511, 1000, 2048]
+    if lens == "batch64":
+        sizes = [s.rng.randint(550, 650) for _ in range(64)]
+    batch = s.batch(sizes)
+    q, k, v = s.qkv(len(sizes))
+    for layer in (0, 1):  # the two layers' scales differ
+        s.backend.prepare_metadata(batch)
+        out = s.backend.forward(q, k, v, layer, batch)
+        assert not torch.isnan(out).any()
+        err = rel_err(out, s.reference(batch, q, k, v, layer))
+        assert err < 0.05, f"layer {layer}: relative error {err:.2e} against the torch backend over the FP8 cache"
+        print(f"RESULT xqa fp8 {lens} layer {layer}: relative error {err:.2e}")
 
 
 @marks(*XQA)
@@ -311,6 +364,44 @@ def test_greedy_decoding_agrees_with_torch(
         assert margin <= TIE_NATS, f"{attn}: sequence {i} diverges at token {j}, margin {margin:.3f} nats"
     assert same >= len(want) // 2, f"{attn}: only {same} of {len(want)} sequences equal the reference"
     print(f"RESULT {model_dir.name} {attn} graphs={graphs}: {same}/{len(want)} sequences identical to torch")
+
+
+# Rounding the query and the probabilities to e4m3 moves a tiny random model's logits by tenths of a nat:
+# over an FP8 cache a divergence counts only past this margin.
+FP8_TIE_NATS = 0.5
+
+
+@pytest.mark.parametrize("attn", ["flashinfer,trtllm-xqa", "trtllm-xqa"])
+@marks(*XQA)
+def test_greedy_decoding_over_an_fp8_cache_agrees_with_torch(model_dir: Path, attn: str) -> None:
+    """``--kv-cache-dtype fp8_e4m3``: XQA's FP8 decode under CUDA graphs and overlap against the torch backend
+    over the same FP8 cache."""
+    if "Llama" in model_dir.name:
+        pytest.skip("one model is enough (each KV dtype is another XQA build)")
+    if attn.startswith("flashinfer") and importlib.util.find_spec("minisgl_plugin_flashinfer") is None:
+        pytest.skip("the flashinfer plugin is not installed")
+    from minisgl_plugin_trtllm.backend import TrtllmAttnBackend
+
+    want, ref_logprobs, ref = _generate(model_dir, "torch", logprobs=5, overlap_schedule=False, kv_cache_dtype="fp8")
+    ref.close()
+    tokens, _, llm = _generate(model_dir, attn, cuda_graph_max_bs=16, kv_cache_dtype="fp8")
+    attn_backend = llm.engine.attn
+    decode = attn_backend.decode if isinstance(attn_backend, HybridAttnBackend) else attn_backend
+    assert isinstance(decode, TrtllmAttnBackend) and decode.ctx.kv_pool.layout.dtype == torch.float8_e4m3fn
+    assert llm.engine.graphs is not None
+    llm.close()
+    same = 0
+    for i, (got, exp) in enumerate(zip(tokens, want, strict=True)):
+        j = next((p for p, (a, b) in enumerate(zip(got, exp, strict=True)) if a != b), None)
+        if j is None:
+            same += 1
+            continue
+        alternatives = dict(ref_logprobs[i][j].top)
+        assert got[j] in alternatives, f"{attn}: sequence {i} diverges at token {j} to a token outside the top 5"
+        margin = ref_logprobs[i][j].logprob - alternatives[got[j]]
+        assert margin <= FP8_TIE_NATS, f"{attn}: sequence {i} diverges at token {j}, margin {margin:.3f} nats"
+    assert same >= len(want) // 2, f"{attn}: only {same} of {len(want)} sequences equal the reference"
+    print(f"RESULT {model_dir.name} {attn} fp8 KV: {same}/{len(want)} sequences identical to torch")
 
 
 # ------------------------------------------------------------------ refusing trtllm-gen

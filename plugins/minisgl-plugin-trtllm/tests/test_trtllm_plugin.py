@@ -140,10 +140,10 @@ def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
     )
 
 
-def test_fp8_kv_cache_is_not_declared() -> None:
-    """Neither backend reads an FP8 KV cache here: the engine refuses ``--kv-cache-dtype fp8_e4m3`` with them by
-    name at start-up (and under auto skips them)."""
+def test_only_xqa_declares_an_fp8_kv_cache() -> None:
+    """trtllm-xqa reads an FP8 KV cache; trtllm (TensorRT-LLM-gen, not yet run on its hardware) does not, so the
+    engine refuses ``--kv-cache-dtype fp8_e4m3`` with it by name at start-up (and under auto skips it)."""
     reg = load_plugins(only=["builtin", "trtllm"])
-    for name in ("trtllm", "trtllm-xqa"):
-        spec = reg.get("attention", name)
-        assert spec.kv_cache_dtypes == () and not spec.reads_kv_cache("fp8_e4m3") and spec.reads_kv_cache("auto")
+    xqa, gen = reg.get("attention", "trtllm-xqa"), reg.get("attention", "trtllm")
+    assert xqa.kv_cache_dtypes == ("fp8_e4m3",) and xqa.reads_kv_cache("fp8_e4m3") and xqa.reads_kv_cache("auto")
+    assert gen.kv_cache_dtypes == () and not gen.reads_kv_cache("fp8_e4m3") and gen.reads_kv_cache("auto")

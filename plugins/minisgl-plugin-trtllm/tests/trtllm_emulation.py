@@ -6,7 +6,9 @@ the signatures), and strict about the contract the real kernels rely on without
 checking it: dtypes and shapes of the block table, lengths and cumulative lengths,
 a dense query, in-range page indices, a table wide enough for XQA (which takes
 its maximum length from the table's width). The attention itself is plain causal
-attention of each request's new tokens over its whole KV, the new tokens last.
+attention of each request's new tokens over its whole KV, the new tokens last:
+``bmm1_scale`` scales the scores and ``bmm2_scale`` the output, over the cache's
+raw values (for an FP8 cache, its stored ``k / k_scale`` and ``v / v_scale``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ Which kernel runs where (see :mod:`minisgl_plugin_trtllm.support`): the
 XQA decode kernel runs on 9.x, 10.x and 12.x. A backend without a context kernel
 (``trtllm-xqa``) sends prefill batches to the core's ``torch`` reference; in
 ``--attn flashinfer,trtllm-xqa`` it never sees one.
+
+``trtllm-xqa`` also reads an FP8 KV cache (``--kv-cache-dtype fp8_e4m3``; on Hopper
+FlashInfer then runs XQA's FP8 kernel, which computes both products in FP8). The
+pool stores ``k / k_scale`` and ``v / v_scale`` per layer; XQA takes the scores'
+scale (``bmm1_scale``) and the output's (``bmm2_scale``), so each layer passes
+``softmax_scale * k_scale`` and ``v_scale``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 DecodeKernel = Literal["trtllm-gen", "xqa"]
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # the quantized KV dtype XQA reads
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # flashinfer/jit/xqa.py: TOKENS_PER_PAGE
 TRTLLM_GEN_PAGE_SIZES = (16, 32, 64)  # the page sizes FlashInfer's trtllm-gen tests cover
@@ -118,6 +125,13 @@ class TrtllmAttnBackend(BaseAttnBackend):
         self._graph_tables: torch.Tensor | None = None
         self._graph_lens: torch.Tensor | None = None
         self._graph_metadata: dict[int, TrtllmMetadata] = {}
+        # Per layer: the kernel's two scales (the KV cache's scales folded in; none for an unquantized cache,
+        # whose scales are the ones bound per batch).
+        layout = ctx.kv_pool.layout
+        self._layer_scales: list[dict[str, float]] = []
+        if layout.quantized:
+            scales = [layout.kv_scales(i) for i in range(layout.num_layers)]
+            self._layer_scales = [{"bmm1_scale": ctx.scale * k, "bmm2_scale": v} for k, v in scales]
 
     # ------------------------------------------------------------ block tables
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -204,7 +218,8 @@ class TrtllmAttnBackend(BaseAttnBackend):
         hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
         pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
         query = q.reshape(-1, hq, d).contiguous()  # the kernels address q as a dense [tokens, heads, head_dim] array
-        out = meta.run(query=query, kv_cache=(pool.k_cache(layer_id), pool.v_cache(layer_id)))
+        scales = self._layer_scales[layer_id] if self._layer_scales else {}
+        out = meta.run(query=query, kv_cache=(pool.k_cache(layer_id), pool.v_cache(layer_id)), **scales)
         return out.view(-1, hq * d)
 
     # ------------------------------------------------------------ CUDA graphs
@@ -240,14 +255,17 @@ class TrtllmAttnBackend(BaseAttnBackend):
 
 
 # ------------------------------------------------------------------ factories
-def _check_shape(ctx: AttentionContext, name: str, page_sizes: tuple[int, ...]) -> None:
-    """ValueError (so that ``--attn auto`` moves on to the next backend) for what the kernels cannot run."""
+def _check_shape(ctx: AttentionContext, name: str, page_sizes: tuple[int, ...], fp8_kv: bool = False) -> None:
+    """ValueError (so that ``--attn auto`` moves on to the next backend) for what the kernels cannot run.
+    ``fp8_kv``: the kernel also reads a float8 e4m3 pool."""
     if ctx.device.type != "cuda":
         raise ValueError(f"the {name} attention backend needs a CUDA device, got '{ctx.device}'; use --attn torch")
-    if ctx.dtype not in SUPPORTED_DTYPES or ctx.kv_pool.layout.dtype != ctx.dtype:
+    kv_dtype = ctx.kv_pool.layout.dtype
+    if ctx.dtype not in SUPPORTED_DTYPES or kv_dtype not in (ctx.dtype, *((FP8_KV_DTYPE,) if fp8_kv else ())):
+        pools = "the model dtype or float8_e4m3fn" if fp8_kv else "the model dtype"
         raise ValueError(
-            f"{name} backend: dtype {ctx.dtype} with a {ctx.kv_pool.layout.dtype} KV pool is not supported "
-            "(expected bfloat16 or float16 for both); use --dtype bfloat16"
+            f"{name} backend: dtype {ctx.dtype} with a {kv_dtype} KV pool is not supported "
+            f"(expected bfloat16 or float16, and a KV pool of {pools}); use --dtype bfloat16"
         )
     if ctx.head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
@@ -296,8 +314,9 @@ def build_trtllm_gen(ctx: AttentionContext) -> TrtllmAttnBackend:
 
 
 def build_xqa(ctx: AttentionContext) -> TrtllmAttnBackend:
-    """The ``trtllm-xqa`` backend: XQA decode kernel; prefill through the torch reference."""
-    _check_shape(ctx, "trtllm-xqa", XQA_PAGE_SIZES)
+    """The ``trtllm-xqa`` backend: XQA decode kernel (a 16-bit or an FP8 KV cache); prefill through the torch
+    reference."""
+    _check_shape(ctx, "trtllm-xqa", XQA_PAGE_SIZES, fp8_kv=True)
     group = ctx.num_qo_heads // ctx.num_kv_heads
     if group > MAX_XQA_GROUP:
         raise ValueError(

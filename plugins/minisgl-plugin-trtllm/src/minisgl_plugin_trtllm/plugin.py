@@ -3,9 +3,9 @@
 ``trtllm``
     TensorRT-LLM-gen kernels for prefill and decode (compute capability 10.0/10.3).
 ``trtllm-xqa`` (alias ``xqa``)
-    TensorRT-LLM's XQA kernel for decode (Hopper and Blackwell); prefill batches go
-    to the core's ``torch`` reference, so pair it with a prefill backend:
-    ``--attn flashinfer,trtllm-xqa``.
+    TensorRT-LLM's XQA kernel for decode (Hopper and Blackwell), over a 16-bit or an
+    FP8 KV cache; prefill batches go to the core's ``torch`` reference, so pair it
+    with a prefill backend: ``--attn flashinfer,trtllm-xqa``.
 
 Their ``is_supported`` checks (``minisgl_plugin_trtllm.support``) say why a GPU
 cannot run them, and use no torch and no CUDA context.
@@ -36,7 +36,8 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
             factory="minisgl_plugin_trtllm.backend:build_xqa",
             aliases=("xqa",),
             is_supported="minisgl_plugin_trtllm.support:xqa_supported",
-            description="TensorRT-LLM XQA paged decode via FlashInfer (Hopper/Blackwell); prefill via torch "
-            "unless paired, e.g. --attn flashinfer,trtllm-xqa",
+            kv_cache_dtypes=("fp8_e4m3",),
+            description="TensorRT-LLM XQA paged decode via FlashInfer (Hopper/Blackwell; bf16/fp16 or FP8 KV); "
+            "prefill via torch unless paired, e.g. --attn flashinfer,trtllm-xqa",
         ),
     ]
