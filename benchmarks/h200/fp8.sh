@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
 # One call on a lent H200: the protocol's offline workload at the sizes users serve (Qwen3-8B and Llama-3.1-8B
-# shapes, dummy weights) in bf16, FP8 weights (--quantization fp8) and FP8 weights + FP8 KV
-# (--kv-cache-dtype fp8_e4m3), against Mini-SGLang bf16 on the same shapes, and Qwen3-0.6B bf16 for both.
-# Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the commit. Results in $OUT
-# (the peer's lines in log.txt: it prints one JSON line per run).
+# shapes, dummy weights) in bf16, FP8 weights (--quantization fp8), FP8 weights + FP8 KV (--kv-cache-dtype
+# fp8_e4m3) and FP8 weights + FP8 KV decoded by XQA (--attn flashinfer,trtllm-xqa), against Mini-SGLang bf16 on
+# the same shapes, then Qwen3-0.6B bf16 for both. SHAPES (default "qwen3-8b llama-3.1-8b") and VARIANTS (default
+# "bf16 fp8 fp8kv"; add fp8kv-xqa) pick what runs; SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer
+# (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the commit. Results in $OUT (the peer prints one JSON
+# line per run, kept in log.txt). Each step is given its limit; the call's LIMIT skips what no longer fits.
 set -uo pipefail
 export LIMIT=${LIMIT:-570}
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 use_peer
 CONFIGS=benchmarks/minisgl-bench/src/minisgl_bench/configs
-for shape in qwen3-8b llama-3.1-8b; do  # the peer reads a model folder: this shape's config and the tokenizer
-  mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
-done
 B="python3 -m minisgl bench offline --output $OUT"
-C8=$CONFIGS/qwen3-8b.json CL=$CONFIGS/llama-3.1-8b.json
-# In order of need: the call's LIMIT skips what no longer fits (the log names each skipped step).
-step 90 $B --model-config $C8 --label offline-qwen3-8b-bf16
-step 90 $B --model-config $C8 --quantization fp8 --label offline-qwen3-8b-fp8
-step 90 $B --model-config $C8 --quantization fp8 --kv-cache-dtype fp8_e4m3 --label offline-qwen3-8b-fp8-kvfp8
-step 120 $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-qwen3-8b
-step 90 $B --model-config $CL --label offline-llama-3.1-8b-bf16
-step 90 $B --model-config $CL --quantization fp8 --label offline-llama-3.1-8b-fp8
-step 90 $B --model-config $CL --quantization fp8 --kv-cache-dtype fp8_e4m3 --label offline-llama-3.1-8b-fp8-kvfp8
-step 120 $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-llama-3.1-8b
-step 60 $B --label offline-qwen3-0.6b-bf16
-step 90 $PEER_ENV python3 .peer/offline_peer.py 1
+case " ${VARIANTS:-} " in *" fp8kv-xqa "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+peer_step=200  # the peer's first run compiles FlashInfer's kernels and captures its graphs
+for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
+  mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
+  for variant in ${VARIANTS:-bf16 fp8 fp8kv}; do
+    case $variant in
+      bf16) args="" ;;
+      fp8) args="--quantization fp8" ;;
+      fp8kv) args="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+      fp8kv-xqa) args="--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
+      *) echo "unknown variant $variant (bf16, fp8, fp8kv, fp8kv-xqa)" | tee -a "$OUT/log.txt"; continue ;;
+    esac
+    step 90 $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant
+  done
+  step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape
+  peer_step=120
+done
+if [ "${SMALL:-1}" != 0 ]; then
+  step 60 $B --label offline-qwen3-0.6b-bf16
+  step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1
+fi
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"

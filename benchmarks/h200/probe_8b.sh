@@ -12,7 +12,7 @@ source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 C8=benchmarks/minisgl-bench/src/minisgl_bench/configs/qwen3-8b.json
 B="python3 -m minisgl bench offline --model-config $C8 --output $OUT --quantization fp8"
-step 240 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py
+step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py
 step 150 env PROBE_HEADS=32 PROBE_KV=bf16,fp8_e4m3 python3 benchmarks/h200/gpu_probe.py attention "$OUT"
 step 110 $B --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa --label offline-qwen3-8b-fp8-kvfp8-xqa
 step 110 $B --kv-cache-dtype fp8_e4m3 --label offline-qwen3-8b-fp8-kvfp8-flashinfer

@@ -6,7 +6,8 @@ module of the list concurrently (one ninja per module, so one failure stops no o
 keeps the machine's cores busy. Later calls find the modules built (``~/.cache/flashinfer``)
 and only load them.
 
-    python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py
+    python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py          # every shape below
+    python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8      # only those over an FP8 cache
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def main() -> int:
             return f"PREBUILD xqa {shape} FAILED after {time.perf_counter() - t0:.0f}s: {type(exc).__name__}: {exc}"
         return f"PREBUILD xqa {shape} built in {time.perf_counter() - t0:.0f}s"
 
+    shapes = [s for s in XQA_SHAPES if s[1] == FP8] if sys.argv[1:] == ["fp8"] else XQA_SHAPES
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(XQA_SHAPES)) as pool:
-        lines = list(pool.map(build, XQA_SHAPES))
+    with ThreadPoolExecutor(len(shapes)) as pool:
+        lines = list(pool.map(build, shapes))
     for line in lines:
         print(line, flush=True)
     failed = sum("FAILED" in line for line in lines)
