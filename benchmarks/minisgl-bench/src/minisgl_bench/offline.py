@@ -409,6 +409,7 @@ def _against_floor(args: argparse.Namespace, record: dict[str, Any], work: Workl
     result = floor(shape, work, precision_of(config, args.quantization, args.kv_cache_dtype), chunk=chunk)
     record["floor"] = result.to_dict()
     record["ratio_to_floor"] = ours / result.tok_s
+    record["ratio_to_kernel_floor"] = ours / result.kernel_tok_s
     print(table(result, ours))
 
 
