@@ -179,6 +179,7 @@ class Suite:
         result.not_run = 0
         result.outcomes.update(proc.outcomes)
         result.messages.update(proc.messages)
+        result.results.update(proc.results)
         if proc.running is not None:
             why = "timed out" if proc.returncode is None else f"the test process died ({_died(proc)})"
             result.outcomes[proc.running] = "failed"

@@ -3,8 +3,9 @@
 It writes one JSON line per event to the file named by ``MINISGL_GPU_SUITE_RECORD``,
 flushed at once, so that the runner knows which tests ran even when the process
 dies half-way: ``collected`` (the test ids), ``start`` and ``finish`` of each test,
-``report`` of each phase, ``collect_error`` and ``collect_skip`` (a module skipped
-whole), ``poisoned`` and ``end``.
+``report`` of each phase, ``results`` (the lines starting ``RESULT `` a passing
+test printed: the figures it measured), ``collect_error`` and ``collect_skip``
+(a module skipped whole), ``poisoned`` and ``end``.
 
 It also keeps one test's CUDA failure from being blamed on the next test or
 from failing every later test of the process:
@@ -36,6 +37,8 @@ import pytest
 
 RECORD_ENV = "MINISGL_GPU_SUITE_RECORD"
 DESELECT_ENV = "MINISGL_GPU_SUITE_DESELECT"
+
+RESULT_PREFIX = "RESULT "  # a line a test prints to put a figure it measured into the suite's report
 
 # Errors after which the process's CUDA context (or its cuBLAS/NCCL handles) cannot be trusted.
 # A false positive costs one process start; a miss costs every later test of the file.
@@ -157,6 +160,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         seconds=round(report.duration, 3),
         message=_summary(text) if report.failed else "",
     )
+    if report.when == "call" and report.passed:
+        out = report.capstdout.splitlines()
+        figures = [line[len(RESULT_PREFIX) :].strip() for line in out if line.startswith(RESULT_PREFIX)]
+        if figures:
+            _emit("results", id=report.nodeid, lines=figures)
     # The exception's lines only: the source in a traceback may mention these errors without raising them.
     if report.failed and POISON.search("\n".join(_errors(text)) or text):
         _emit("poisoned", id=report.nodeid, message=_summary(text))
@@ -176,6 +184,7 @@ class Process:
     collected: list[str] | None = None
     outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed/failed/skipped/error
     messages: dict[str, str] = field(default_factory=dict)
+    results: dict[str, list[str]] = field(default_factory=dict)  # test id -> the RESULT lines it printed
     running: str | None = None  # a test that started and did not finish
     poisoned: str | None = None
     ended: bool = False
@@ -224,6 +233,8 @@ def parse_record(lines: Iterable[str]) -> Process:
         elif kind == "finish":
             proc.running = None
             proc.outcomes[ev["id"]] = _outcome(reports.get(ev["id"], []))
+        elif kind == "results":
+            proc.results[ev["id"]] = list(ev["lines"])
         elif kind == "poisoned":
             proc.poisoned = ev["id"]
         elif kind == "end":

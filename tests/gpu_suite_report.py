@@ -21,6 +21,7 @@ class FileResult:
     path: str
     outcomes: dict[str, str] = field(default_factory=dict)
     messages: dict[str, str] = field(default_factory=dict)
+    results: dict[str, list[str]] = field(default_factory=dict)  # test id -> the figures it printed (RESULT lines)
     not_run: int | None = 0  # None: never started
     problems: list[str] = field(default_factory=list)  # failures of the file, not of one test
     notes: list[str] = field(default_factory=list)
@@ -58,6 +59,7 @@ class FileResult:
                 for t, o in self.outcomes.items()
                 if o in ("failed", "error")
             ],
+            "results": self.results,
         }
 
 
@@ -149,6 +151,9 @@ def write_reports(out: Path, results: Sequence[FileResult], header: dict[str, st
     lines = failure_lines(results)
     if lines:
         md += ["", "## Failures and notes", "", *lines]
+    figures = [f"- `{test}`: {line}" for r in results for test, found in r.results.items() for line in found]
+    if figures:
+        md += ["", "## Figures the tests measured", "", *figures]
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-suite.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     doc = {**header, "ok": ok, "seconds": round(seconds, 1), "totals": t, "files": [r.to_json() for r in results]}

@@ -25,7 +25,8 @@ FILES = {
 
         @pytest.mark.fakegpu
         def test_passes():
-            pass
+            print("RESULT KV pages: 2.00x")
+            print("not a figure")
 
         @pytest.mark.fakegpu
         def test_skips():
@@ -35,6 +36,7 @@ FILES = {
         def test_fails():
             # An ordinary failure: the traceback shows this line, "CUDA error: device-side assert",
             # but the exception says nothing of CUDA, so the process goes on.
+            print("RESULT from a failing test")
             assert 1 == 2
 
         def test_not_marked_so_not_selected():
@@ -234,6 +236,10 @@ def test_main_writes_the_reports_and_fails_on_failures(fake_root: Path, tmp_path
     md = (out / "gpu-suite.md").read_text()
     assert "| core/tests/test_poisons.py | 4 | 1 | 0 | 0 | 0 |" in md
     assert "failed: `core/tests/test_poisons.py::test_device_assert`: call: RuntimeError: CUDA error" in md
+    # The figures passing tests printed (RESULT lines), and only theirs.
+    assert doc["files"][0]["results"] == {"core/tests/test_mixed.py::test_passes": ["KV pages: 2.00x"]}
+    assert "## Figures the tests measured\n\n- `core/tests/test_mixed.py::test_passes`: KV pages: 2.00x" in md
+    assert "failing test" not in md
     assert (out / "logs" / "core__tests__test_poisons.py.log").read_text().count("gpu_suite_plugin") == 2
 
     assert gpu_suite.main([*argv, str(fake_root / "tests/test_skipped_module.py")]) == 0
