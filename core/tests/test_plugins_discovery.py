@@ -182,6 +182,7 @@ def test_listing_json(dists: dict[str, Path]) -> None:
         "factory": "good_plugin.kernel:GoodBackend",
         "plugin": "good",
         "distribution": "minisgl-plugin-good",
+        "kv_cache_dtypes": [],
     }
     assert data["conflicts"] == []
     # The broken plugin's warning names it and its cause, on stderr and in the JSON.
@@ -212,7 +213,17 @@ def test_listing_table(dists: dict[str, Path]) -> None:
     broken = next(ln for ln in lines if ln.startswith("minisgl-plugin-broken "))
     assert broken.split()[:5] == ["minisgl-plugin-broken", "0.3", "broken", "failed", "ModuleNotFoundError:"]
     builtin = lines.index(next(ln for ln in lines if ln.startswith("minisgl ")))
-    assert lines[builtin].split() == ["minisgl", "0.3.0", "builtin", "active", "attention:", "torch"]
+    assert lines[builtin].split() == [
+        "minisgl",
+        "0.3.0",
+        "builtin",
+        "active",
+        "attention:",
+        "torch",
+        "(KV",
+        "cache",
+        "fp8_e4m3)",
+    ]
     assert lines[builtin + 1].split() == ["kv_pool:", "mha"]
 
 

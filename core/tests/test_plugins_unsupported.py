@@ -121,6 +121,14 @@ def test_table_listing_with_a_device_shows_one_line_per_unsupported_component() 
     assert "attention torch: unsupported" not in on_cpu
 
 
+def test_listing_says_which_quantized_kv_caches_a_backend_reads() -> None:
+    reg = registry()
+    rows = {row["name"]: row for row in to_json(reg)["components"]["attention"]}
+    assert rows["torch"]["kv_cache_dtypes"] == ["fp8_e4m3"] and rows["bw"]["kv_cache_dtypes"] == []
+    table = render_table(reg)
+    assert "torch (KV cache fp8_e4m3)" in table and "bw (KV cache" not in table
+
+
 def test_cli_device_flag() -> None:
     out, err = io.StringIO(), io.StringIO()
     assert listing_main(["--json", "--device", "cpu"], stdout=out, stderr=err) == 0

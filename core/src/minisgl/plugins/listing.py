@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRICT, PluginRegistry, _flag, core_version, load_plugins
-from .specs import KINDS, PluginError, QuantizationSpec, UnknownComponentError
+from .specs import KINDS, AttentionBackendSpec, PluginError, QuantizationSpec, UnknownComponentError
 
 
 def to_json(
@@ -28,6 +28,8 @@ def to_json(
             row = {"name": spec.name, "aliases": list(spec.aliases), "auto": spec.auto, "priority": spec.priority}
             row |= {"override": spec.override, "description": spec.description, "factory": spec.factory_ref}
             row |= {"plugin": plugin.name, "distribution": plugin.distribution}
+            if isinstance(spec, AttentionBackendSpec):
+                row["kv_cache_dtypes"] = list(spec.kv_cache_dtypes)  # quantized KV caches it reads too
             if isinstance(spec, QuantizationSpec):
                 row |= {"quant_methods": list(spec.quant_methods), "devices": list(spec.devices)}
                 row |= {"dtypes": list(spec.dtypes)}
@@ -51,7 +53,10 @@ def render_table(registry: PluginRegistry, device: str | None = None) -> str:
             shown = []
             for spec in [registry.get(kind, n) for n in names]:
                 a = spec.aliases
-                shown.append(f"{spec.name} (alias{'es' if len(a) > 1 else ''} {', '.join(a)})" if a else spec.name)
+                notes = [f"alias{'es' if len(a) > 1 else ''} {', '.join(a)}"] if a else []
+                if isinstance(spec, AttentionBackendSpec) and spec.kv_cache_dtypes:
+                    notes.append(f"KV cache {', '.join(spec.kv_cache_dtypes)}")
+                shown.append(f"{spec.name} ({'; '.join(notes)})" if notes else spec.name)
                 if device and (why := spec.unsupported_reason(device)) is not None:
                     unsupported.append(f"{kind} {spec.name}: unsupported on {device}" + (f": {why}" if why else ""))
             detail.append(f"{kind}: {', '.join(shown)}")
