@@ -226,8 +226,9 @@ def test_xqa_decode_matches_torch(
 @marks(*XQA)
 def test_xqa_fp8_decode_matches_torch(lens: str) -> None:
     """The 8B shapes (32 query heads, 8 KV heads, head_dim 128) over an FP8 cache with per-layer scales, against
-    the torch backend reading the same cache. The bound, 5 % of the output's norm, is what rounding the query
-    and the probabilities to e4m3 costs on N(0, 1) data (a dropped k or v scale is off by 50 % or more)."""
+    the torch backend reading the same cache. The bound, 10 % of the output's norm, allows for rounding the
+    query and the probabilities to e4m3 (up to 6 % per value, 3 mantissa bits) on N(0, 1) data; a dropped k or
+    v scale (0.5, 2.0, 0.25 here) is off by 50 % or more."""
     s = Setup(32, 8, 128, 16, torch.bfloat16, seed=3, kv_dtype=torch.float8_e4m3fn)
     sizes = [1, 15, 16, 17, 64, 300, 511, 1000, 2048]
     if lens == "batch64":
@@ -239,7 +240,7 @@ def test_xqa_fp8_decode_matches_torch(lens: str) -> None:
         out = s.backend.forward(q, k, v, layer, batch)
         assert not torch.isnan(out).any()
         err = rel_err(out, s.reference(batch, q, k, v, layer))
-        assert err < 0.05, f"layer {layer}: relative error {err:.2e} against the torch backend over the FP8 cache"
+        assert err < 0.1, f"layer {layer}: relative error {err:.2e} against the torch backend over the FP8 cache"
         print(f"RESULT xqa fp8 {lens} layer {layer}: relative error {err:.2e}")
 
 
@@ -382,9 +383,10 @@ def test_greedy_decoding_over_an_fp8_cache_agrees_with_torch(model_dir: Path, at
         pytest.skip("the flashinfer plugin is not installed")
     from minisgl_plugin_trtllm.backend import TrtllmAttnBackend
 
-    want, ref_logprobs, ref = _generate(model_dir, "torch", logprobs=5, overlap_schedule=False, kv_cache_dtype="fp8")
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    want, ref_logprobs, ref = _generate(model_dir, "torch", logprobs=5, overlap_schedule=False, **fp8)
     ref.close()
-    tokens, _, llm = _generate(model_dir, attn, cuda_graph_max_bs=16, kv_cache_dtype="fp8")
+    tokens, _, llm = _generate(model_dir, attn, cuda_graph_max_bs=16, **fp8)
     attn_backend = llm.engine.attn
     decode = attn_backend.decode if isinstance(attn_backend, HybridAttnBackend) else attn_backend
     assert isinstance(decode, TrtllmAttnBackend) and decode.ctx.kv_pool.layout.dtype == torch.float8_e4m3fn
