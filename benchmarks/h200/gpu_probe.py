@@ -75,7 +75,10 @@ def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict
                 print(json.dumps(row), flush=True)
             if ps in XQA_PAGE_SIZES and os.environ.get("PROBE_XQA", "1") != "0":
                 for kv_name in kv_dtypes:
-                    row = _xqa(q, lens, counts, perm, ps, hkv, kv_name)
+                    try:
+                        row = _xqa(q, lens, counts, perm, ps, hkv, kv_name)
+                    except Exception as exc:  # keep FlashInfer's rows: say what failed instead
+                        row = {"batch": bs, "kv_dtype": kv_name, "page_size": ps, "kernel": "xqa", "error": repr(exc)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     return rows
