@@ -6,8 +6,8 @@ Run on a CUDA machine from the repository root (minisgl, its plugins and minisgl
     PROBE_HEADS=32 PROBE_KV=bf16,fp8_e4m3 python3 benchmarks/h200/gpu_probe.py attention OUT_DIR  # 8B, FP8 KV
     python3 benchmarks/h200/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
 
-``attention`` times FlashInfer's paged decode kernel alone (and TensorRT-LLM's XQA at page 16 unless
-PROBE_XQA=0), at the shapes of the offline benchmark
+``attention`` times FlashInfer's paged decode kernel alone (NHD with and without tensor cores, HND with them;
+and TensorRT-LLM's XQA at page 16 unless PROBE_XQA=0), at the shapes of the offline benchmark
 (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16) for batch 64 and 256 with 600..2000-token
 contexts, and reports the KV bytes read per second. ``window`` runs the offline workload and profiles 20
 decode steps in the middle of it (batch near 256): wall time per step against the device's kernel time
@@ -42,12 +42,17 @@ def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict
             perm = torch.randperm(pages, device=dev).to(torch.int32) + 1  # scattered pages, like a used pool
             indptr = torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.int32)
             last = torch.tensor([n - (c - 1) * ps for n, c in zip(lens, counts)], dtype=torch.int32)
-            for kv_name, tc in [(kv, tc) for kv in kv_dtypes for tc in (False, True)]:
+            # NHD (the pool's layout) with and without tensor cores; HND (each page's tokens of one head
+            # contiguous) with them, at pages of 16+: an FP8 row of one head is 128 bytes, half a bf16 row.
+            variants = [(kv, tc, "NHD") for kv in kv_dtypes for tc in (False, True)]
+            variants += [(kv, True, "HND") for kv in kv_dtypes] if ps > 1 else []
+            for kv_name, tc, layout in variants:
                 kv_dtype = torch.float8_e4m3fn if kv_name.startswith("fp8") else torch.bfloat16
-                k = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
-                v = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
+                shape = (pages + 1, ps, hkv, d) if layout == "NHD" else (pages + 1, hkv, ps, d)
+                k = torch.randn(shape, device=dev).to(kv_dtype)
+                v = torch.randn(shape, device=dev).to(kv_dtype)
                 ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc)
                 w.plan(indptr, perm, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
                 for _ in range(3):
                     w.run(q, (k, v))
@@ -67,6 +72,7 @@ def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict
                     "kv_dtype": kv_name,
                     "page_size": ps,
                     "tensor_cores": tc,
+                    "layout": layout,
                     "us": round(us, 1),
                     "kv_tb_s": round(kv_bytes / us / 1e6, 2),
                     "tokens": sum(lens),
