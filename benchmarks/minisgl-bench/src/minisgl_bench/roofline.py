@@ -178,6 +178,8 @@ class Floor:
 
 
 class _Costing:
+    """Prices steps for one model shape, precision and GPU, adding each into a :class:`PhaseCost`."""
+
     def __init__(self, shape: ModelShape, precision: Precision, hw: Hardware):
         self.shape, self.precision, self.hw = shape, precision, hw
         self.linear_rate = hw.fp8_flops if precision.weight_bytes == 1 else hw.bf16_flops
