@@ -13,18 +13,13 @@ export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
 use_peer
 CONFIGS=benchmarks/minisgl-bench/src/minisgl_bench/configs
 B="python3 -m minisgl bench offline --output $OUT"
-case " ${VARIANTS:-} " in *" fp8kv-xqa "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+VARIANTS=${VARIANTS:-bf16 fp8 fp8kv}
+prebuild_variants $VARIANTS
 peer_step=200  # the peer's first run compiles FlashInfer's kernels and captures its graphs
 for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
   mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
-  for variant in ${VARIANTS:-bf16 fp8 fp8kv}; do
-    case $variant in
-      bf16) args="" ;;
-      fp8) args="--quantization fp8" ;;
-      fp8kv) args="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
-      fp8kv-xqa) args="--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-      *) echo "unknown variant $variant (bf16, fp8, fp8kv, fp8kv-xqa)" | tee -a "$OUT/log.txt"; continue ;;
-    esac
+  for variant in $VARIANTS; do
+    args=$(variant_args $variant) || continue
     step 90 $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant
   done
   step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape

@@ -2,7 +2,8 @@
 # One call on a lent H200: the protocol's online workload (256 streamed chat requests, 16 to warm up) at an 8B shape
 # with dummy weights, `minisgl serve` in bf16, with FP8 weights and with FP8 weights + FP8 KV, then Mini-SGLang's
 # server in bf16 (issue: FP8 and 8B speed). SHAPE (default qwen3-8b; llama-3.1-8b), RATES (default "inf 16 8"),
-# REPEAT (default 1), VARIANTS (default "bf16 fp8 fp8kv", any of them, and fp8kv-xqa: XQA decoding the FP8 cache) and PEER=0 (leave the peer out) vary it;
+# REPEAT (default 1), VARIANTS (default "bf16 fp8 fp8kv"; also fp8kv-xqa, XQA decoding the FP8 cache) and PEER=0
+# (leave the peer out) vary it;
 # each minisgl variant gets MINISGL_STEP seconds (default 150), the peer PEER_STEP (default 300: its first start
 # builds FlashInfer's kernels). Carry .whl and .peer; MINISGL_COMMIT names the commit. Ends every server a previous
 # call left first. All of it does not fit one call: run VARIANTS="bf16 fp8 fp8kv" PEER=0, then VARIANTS=bf16 (the
@@ -16,16 +17,11 @@ use_peer
 SHAPE=${SHAPE:-qwen3-8b}
 MODEL=/tmp/peer-$SHAPE  # the peer reads a model folder: this shape's config and the demo tokenizer; minisgl reads the same
 mkdir -p $MODEL && cp .peer/model/* $MODEL/ && cp benchmarks/minisgl-bench/src/minisgl_bench/configs/$SHAPE.json $MODEL/config.json
-case " ${VARIANTS:-} " in *" fp8kv-xqa "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+VARIANTS=${VARIANTS:-bf16 fp8 fp8kv}
+prebuild_variants $VARIANTS
 BENCH="python3 -m minisgl bench serve --tokenizer $MODEL --rate ${RATES:-inf 16 8} --repeat ${REPEAT:-1} --warmup 16 --no-progress --keep-server-log --output $OUT"
-for variant in ${VARIANTS:-bf16 fp8 fp8kv}; do
-  case $variant in
-    bf16) args="" ;;
-    fp8) args="--quantization fp8" ;;
-    fp8kv) args="--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
-    fp8kv-xqa) args="--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-    *) echo "unknown variant $variant (bf16, fp8, fp8kv, fp8kv-xqa)" | tee -a "$OUT/log.txt"; continue ;;
-  esac
+for variant in $VARIANTS; do
+  args=$(variant_args $variant) || continue
   step ${MINISGL_STEP:-150} $BENCH --label online-$SHAPE-$variant --base-url http://127.0.0.1:30000 --launch-timeout 120 --launch \
     "python3 -m minisgl serve --model $MODEL --load-format dummy --max-model-len 4096 --port 30000 --log-level warning $args"
 done

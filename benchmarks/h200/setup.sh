@@ -5,7 +5,7 @@
 # and writes the dist-info metadata that makes the plugins' entry points visible (they are not pip-installed
 # there).
 # Ends, by PID, every server, replica and router an earlier call left on this host (each holds GPU memory and
-# would make this call fail or lie). Defines `step LIMIT CMD...`, `use_peer` (Mini-SGLang's wheels, PEER_ENV)
+# would make this call fail or lie). Defines `step LIMIT CMD...`, `variant_args`, `prebuild_variants`, `use_peer` (Mini-SGLang's wheels, PEER_ENV)
 # and `finish` (reports and packing at the end).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}  # the call's results (what the device tool brings back), and log.txt
@@ -24,6 +24,21 @@ LIMIT=${LIMIT:-560}
 step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] && { echo "=== skipped: $*" | tee -a $OUT/log.txt; return; }
   [ $t -gt $left ] && t=$left; echo "=== $* (${t}s)" | tee -a $OUT/log.txt
   timeout "$t" "$@" 2>&1 | tee -a $OUT/log.txt | grep -v Warning | tail -n 14; }
+# The engine flags of each FP8 variant the 8B scripts (fp8.sh, online_8b.sh) run: `variant_args NAME` prints them
+# (fails on an unknown name); `prebuild_variants NAMES...` compiles XQA's FP8 modules first when fp8kv-xqa is among
+# them (XQA decoding the FP8 cache).
+variant_args() {
+  case $1 in
+    bf16) echo "" ;;
+    fp8) echo "--quantization fp8" ;;
+    fp8kv) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+    fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
+    *) echo "unknown variant $1 (bf16, fp8, fp8kv, fp8kv-xqa)" | tee -a "$OUT/log.txt" >&2; return 1 ;;
+  esac
+}
+prebuild_variants() {
+  case " $* " in *" fp8kv-xqa "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+}
 # Mini-SGLang (carried in .peer by ../shared/bench/peer/setup.sh) with its wheels in /tmp/psite; PEER_ENV runs it.
 # Never on one path with this project: both are 'minisgl'.
 use_peer() {
