@@ -16,11 +16,13 @@ per step, and the kernels that take it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,29 +56,8 @@ def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict
                 ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc)
                 w.plan(indptr, perm, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-                for _ in range(3):
-                    w.run(q, (k, v))
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                n = 50
-                start.record()
-                for _ in range(n):
-                    w.run(q, (k, v))
-                end.record()
-                torch.cuda.synchronize()
-                us = start.elapsed_time(end) / n * 1000
-                kv_bytes = sum(lens) * hkv * d * 2 * kv_dtype.itemsize
-                row = {
-                    "batch": bs,
-                    "q_heads": hq,
-                    "kv_dtype": kv_name,
-                    "page_size": ps,
-                    "tensor_cores": tc,
-                    "layout": layout,
-                    "us": round(us, 1),
-                    "kv_tb_s": round(kv_bytes / us / 1e6, 2),
-                    "tokens": sum(lens),
-                }
+                us = _time_us(functools.partial(w.run, q, (k, v)))
+                row = _row(q, lens, hkv, kv_name, kv_dtype, ps, us, tensor_cores=tc, layout=layout)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if ps in XQA_PAGE_SIZES and os.environ.get("PROBE_XQA", "1") != "0":
@@ -93,11 +74,35 @@ def attention(hq: int = 16, kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict
 XQA_PAGE_SIZES = (16,)  # the engine's default page size (each page size is another XQA build)
 
 
+def _time_us(run: Callable[[], object], n: int = 50) -> float:
+    """Microseconds per call of ``run`` (three warm-up calls, then ``n`` between two CUDA events)."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1000
+
+
+def _row(
+    q: torch.Tensor, lens: list[int], hkv: int, kv: str, kv_dtype: torch.dtype, ps: int, us: float, **kernel: object
+) -> dict:
+    """One timing: the batch's shape, the kernel's settings, and the KV bytes it read per second."""
+    bs, hq, d = q.shape
+    kv_bytes = sum(lens) * hkv * d * 2 * kv_dtype.itemsize
+    return {"batch": bs, "q_heads": hq, "kv_dtype": kv, "page_size": ps, **kernel, "us": round(us, 1),
+            "kv_tb_s": round(kv_bytes / us / 1e6, 2), "tokens": sum(lens)}  # fmt: skip
+
+
 def _xqa(q: torch.Tensor, lens: list[int], counts: list[int], perm: torch.Tensor, ps: int, hkv: int, kv: str) -> dict:
     """TensorRT-LLM's XQA decode (what ``--attn flashinfer,trtllm-xqa`` decodes with) on the same pages."""
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
-    dev, (bs, hq, d) = q.device, q.shape
+    dev, (bs, _, d) = q.device, q.shape
     kv_dtype = torch.float8_e4m3fn if kv.startswith("fp8") else torch.bfloat16
     pages = int(perm.numel())
     k = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
@@ -115,28 +120,7 @@ def _xqa(q: torch.Tensor, lens: list[int], counts: list[int], perm: torch.Tensor
             q, (k, v), ws, tables, seq_lens, max(lens), bmm1_scale=d**-0.5, kv_layout="NHD", backend="xqa"
         )
 
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    n = 50
-    start_ev.record()
-    for _ in range(n):
-        run()
-    end_ev.record()
-    torch.cuda.synchronize()
-    us = start_ev.elapsed_time(end_ev) / n * 1000
-    kv_bytes = sum(lens) * hkv * d * 2 * kv_dtype.itemsize
-    return {
-        "batch": bs,
-        "q_heads": hq,
-        "kv_dtype": kv,
-        "page_size": ps,
-        "kernel": "xqa",
-        "us": round(us, 1),
-        "kv_tb_s": round(kv_bytes / us / 1e6, 2),
-        "tokens": sum(lens),
-    }
+    return _row(q, lens, hkv, kv, kv_dtype, ps, _time_us(run), kernel="xqa")
 
 
 def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
