@@ -27,7 +27,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.attention import AttentionContext, HybridAttnBackend, TorchAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.kvcache import KVLayout, MHAKVPool
-from minisgl.testing.attention import QUANTIZED_KV_TOLERANCE, AttentionBackendConformance
+from minisgl.testing.attention import KV_TEST_SCALES, QUANTIZED_KV_TOLERANCE, AttentionBackendConformance
 from minisgl.testing.models import random_prompts, save_tiny_model
 
 flashinfer = pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
@@ -139,8 +139,8 @@ class Setup:
         self.num_pages = MAX_REQS * MAX_SEQ // page_size + 1
         kv_dtype = kv_dtype or dtype
         scales: dict[str, tuple[float, ...]] = {}
-        if kv_dtype != dtype:  # a quantized cache: scales other than 1.0, so a backend that drops them fails
-            scales = {"k_scales": (0.5, 2.0), "v_scales": (2.0, 0.25)}
+        if kv_dtype != dtype:  # a quantized cache: the kit's scales (not 1.0), so a backend that drops them fails
+            scales = {"k_scales": tuple(k for k, _ in KV_TEST_SCALES), "v_scales": tuple(v for _, v in KV_TEST_SCALES)}
         layout = KVLayout(2, self.num_pages, page_size, kv_heads, head_dim, kv_dtype, self.dev, **scales)
         self.pool = MHAKVPool(layout)
         if kv_dtype == dtype:
@@ -228,7 +228,7 @@ def test_xqa_fp8_decode_matches_torch(lens: str) -> None:
     """The 8B shapes (32 query heads, 8 KV heads, head_dim 128) over an FP8 cache with per-layer scales, against
     the torch backend reading the same cache. The bound, 10 % of the output's norm, allows for rounding the
     query and the probabilities to e4m3 (up to 6 % per value, 3 mantissa bits) on N(0, 1) data; a dropped k or
-    v scale (0.5, 2.0, 0.25 here) is off by 50 % or more."""
+    v scale (the kit's KV_TEST_SCALES) is off by 50 % or more."""
     s = Setup(32, 8, 128, 16, torch.bfloat16, seed=3, kv_dtype=torch.float8_e4m3fn)
     sizes = [1, 15, 16, 17, 64, 300, 511, 1000, 2048]
     if lens == "batch64":
