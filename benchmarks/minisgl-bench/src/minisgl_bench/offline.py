@@ -405,8 +405,8 @@ def _against_floor(args: argparse.Namespace, record: dict[str, Any], work: Workl
     except ValueError as exc:
         print(f"no hardware floor: {exc}")
         return
-    chunk = args.chunked_prefill_size or 8192
-    result = floor(shape, work, precision_of(config, args.quantization, args.kv_cache_dtype), chunk=chunk)
+    precision = precision_of(config, args.quantization, args.kv_cache_dtype)
+    result = floor(shape, work, precision, chunk=args.chunked_prefill_size)  # _defaults set the engine's chunk
     record["floor"] = result.to_dict()
     record["ratio_to_floor"] = ours / result.tok_s
     record["ratio_to_kernel_floor"] = ours / result.kernel_tok_s
