@@ -145,28 +145,105 @@ def test_a_partly_ignored_fused_layer_is_refused(float_models: dict, tmp_path: P
         LLM(str(tmp_path), device="cpu")
 
 
-def test_moe_checkpoints_are_refused(tmp_path: Path) -> None:
-    """An FP8 Qwen3-MoE checkpoint, and --quantization fp8 on a bf16 one, are refused by name, each with what to
-    do instead: in the engine (LLM) and in the server's preflight, before any worker starts; nothing is left."""
-    from minisgl.server.settings import PreflightError, ServeSettings, preflight
+# A tiny Qwen3-MoE whose expert sizes are not multiples of 128 (partial scale blocks): 4 experts, top-2.
+MOE_FIELDS = {
+    "hidden_size": 192,
+    "moe_intermediate_size": 160,
+    "intermediate_size": 320,
+    "num_attention_heads": 6,
+    "head_dim": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
 
-    fields = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16}
-    save_tiny_model("Qwen3MoeForCausalLM", tmp_path / "float", **fields)
-    write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "fp8-block")
-    model = r"mixture-of-experts model \(Qwen3MoeForCausalLM\): .* not supported yet; "
-    checkpoint, online = model + "serve the model's unquantized", model + "leave out --quantization fp8 to serve it"
+
+def hf_tokens_of(path: Path, state: dict[str, torch.Tensor], tmp: Path) -> list[list[int]]:
+    """transformers' greedy tokens for the float32 weights ``state`` of the model in ``path`` (config copied,
+    its quantization_config dropped), loaded through ``from_pretrained`` as a checkpoint would be."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config))
+    save_file({k: v.float().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32).eval()
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def float_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-moe")
+    save_tiny_model("Qwen3MoeForCausalLM", path, **MOE_FIELDS)
+    return path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_checkpoint_matches_transformers_on_dequantized_weights(
+    float_moe: Path, tmp_path: Path, layout: str
+) -> None:
+    """FP8 experts (per expert, as the tools write Qwen3-MoE FP8 checkpoints) and FP8 attention, router left
+    in bf16: on the CPU they are de-quantized once after loading, so the tokens are transformers' on those weights."""
+    state = write_fp8_checkpoint(float_moe, tmp_path / "fp8", layout)
+    with LLM(str(tmp_path / "fp8"), device="cpu") as llm:
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        assert experts.quant.name == "fp8" and experts.scales is None  # de-quantized: the torch backend runs them
+        assert experts.w13_weight.dtype == experts.w2_weight.dtype == llm.engine.dtype
+        assert not [n for n, _ in experts.named_parameters() if "scale" in n]
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        llm.check_accounting()
+    assert [o.token_ids for o in outs] == hf_tokens_of(tmp_path / "fp8", state, tmp_path / "reference")
+
+
+def test_quantization_fp8_on_a_float_moe_checkpoint(float_moe: Path, tmp_path: Path) -> None:
+    """``--quantization fp8`` quantizes every linear layer and every expert matrix per row at load."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for name, tensor in load_file(str(float_moe / "model.safetensors")).items():
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if name.endswith(".weight") and module.endswith("_proj"):
+            q, scale = quantize_rows(tensor)
+            tensor = dequantize(q, scale, None, torch.float32)
+        state[name] = tensor
+    with LLM(str(float_moe), device="cpu", quantization="fp8") as llm:
+        assert llm.engine.model.model.layers[1].mlp.experts.quant.name == "fp8"
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_tokens_of(float_moe, state, tmp_path / "reference")
+
+
+def test_moe_checkpoints_pass_the_preflight(float_moe: Path, tmp_path: Path) -> None:
+    from minisgl.server.settings import ServeSettings, preflight
+
+    write_fp8_checkpoint(float_moe, tmp_path / "fp8", "fp8-block")
+    preflight(ServeSettings(model=str(tmp_path / "fp8"), device="cpu"))
+    preflight(ServeSettings(model=str(float_moe), device="cpu", quantization="fp8"))
+
+
+def test_a_missing_expert_scale_is_refused_by_name(float_moe: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    write_fp8_checkpoint(float_moe, tmp_path, "fp8-block")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     threads = threading.active_count()
-    with pytest.raises(ValidationError, match=checkpoint):
-        LLM(str(tmp_path / "fp8"), device="cpu")
-    with pytest.raises(ValidationError, match=online):
-        LLM(str(tmp_path / "float"), device="cpu", quantization="fp8")
-    refused = "^--quantization: quantization method 'fp8': cannot load this "
-    with pytest.raises(PreflightError, match=refused + checkpoint):
-        preflight(ServeSettings(model=str(tmp_path / "fp8"), device="cpu"))
-    with pytest.raises(PreflightError, match=refused + online):
-        preflight(ServeSettings(model=str(tmp_path / "float"), device="cpu", quantization="fp8"))
+    with pytest.raises(KeyError, match=r"no weight_scale_inv for the gate_proj and up_proj of expert\(s\) 2 "):
+        LLM(str(tmp_path), device="cpu")
     gc.collect()
     assert threading.active_count() == threads  # no worker left running
+
+
+def test_experts_left_unquantized_load_as_float(float_moe: Path, tmp_path: Path) -> None:
+    """A checkpoint that leaves one layer's experts unquantized (modules_to_not_convert) loads them as float."""
+    state = write_fp8_checkpoint(float_moe, tmp_path / "fp8", "fp8-block", ignore=["model.layers.1.mlp.experts."])
+    with LLM(str(tmp_path / "fp8"), device="cpu") as llm:
+        layers = llm.engine.model.model.layers
+        assert layers[1].mlp.experts.quant.name == "none" and layers[0].mlp.experts.quant.name == "fp8"
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_tokens_of(tmp_path / "fp8", state, tmp_path / "reference")
 
 
 def test_preflight_refuses_unsupported_settings_before_any_worker_starts(float_models: dict, tmp_path: Path) -> None:

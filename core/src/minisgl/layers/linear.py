@@ -58,12 +58,15 @@ class LinearBase(nn.Module):
         device: torch.device | None = None,
         kernels: KernelSet | None = None,
         quant: QuantMethod | None = None,
+        quantize: bool = True,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        #: False: the layer keeps the model's dtype whatever the checkpoint's method (a MoE router).
+        self.quantize = quantize
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.kernels = kernels or select_kernels(device, self.dtype)
-        self._build(quant or UNQUANTIZED, device)
+        self._build((quant or UNQUANTIZED) if quantize else UNQUANTIZED, device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         if self.bias is not None:
             set_loader(self.bias, self.load_weight)

@@ -2,7 +2,9 @@
 quantization plugin's factory (the ``quantization`` component kind, docs/plugin-contracts.md). The layer asks
 its method once, at build time, to create its parameters (with their weight loaders) and for the matmul its
 forward calls; the built-in :class:`Unquantized` method creates today's ``weight`` and returns the kernel set's
-``linear``, so an unquantized layer's forward is the one call it always was."""
+``linear``, so an unquantized layer's forward is the one call it always was. A mixture-of-experts layer's
+stacked expert weights (:class:`~minisgl.moe.MoEExperts`) are created and finished by the same method
+(:meth:`QuantMethod.create_expert_weights`, :meth:`QuantMethod.process_expert_weights_after_loading`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..moe.layer import MoEExperts
     from .linear import LinearBase
 
 #: ``(x, weight, bias) -> y``: what a linear layer's forward calls, chosen once per layer.
@@ -34,7 +37,8 @@ class QuantMethod:
     """
 
     name = "none"
-    #: Whether mixture-of-experts models can use this method (their experts are not linear layers).
+    #: Whether mixture-of-experts models can use this method: their experts are not linear layers, and a method
+    #: that quantizes them overrides :meth:`create_expert_weights` (the default keeps them in the model's dtype).
     supports_moe = True
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype | None, device: torch.device | None) -> None:
@@ -52,9 +56,28 @@ class QuantMethod:
 
     def for_layer(self, checkpoint_names: Sequence[str]) -> QuantMethod:
         """The method of the layer holding the checkpoint modules ``checkpoint_names`` (a fused layer holds
-        several: ``...q_proj``, ``...k_proj``, ``...v_proj``): this one, or :data:`UNQUANTIZED` for layers
-        the checkpoint did not quantize. Raise ``ValueError`` when only some of the parts are quantized."""
+        several: ``...q_proj``, ``...k_proj``, ``...v_proj``; a layer's experts hold ``...experts.<e>.gate_proj``,
+        ``up_proj`` and ``down_proj`` of every expert): this one, or :data:`UNQUANTIZED` for layers the checkpoint
+        did not quantize. Raise ``ValueError`` when only some of the parts are quantized."""
         return self
+
+    def create_expert_weights(
+        self, experts: MoEExperts, dtype: torch.dtype | None, device: torch.device | None
+    ) -> None:
+        """Register ``experts.w13_weight`` ``[experts, 2 * inter, hidden]`` and ``experts.w2_weight`` ``[experts,
+        hidden, inter]`` (``inter``: this rank's share) and any scale tensors, each with a ``weight_loader``
+        (``experts.load_weight`` slices this rank's part of a per-expert or fused checkpoint tensor). The default
+        keeps them in ``dtype``."""
+        e, n, hidden = experts.num_experts, experts.local_inter, experts.hidden_size
+        experts.w13_weight = new_param(e, 2 * n, hidden, dtype=dtype, device=device)
+        experts.w2_weight = new_param(e, hidden, n, dtype=dtype, device=device)
+        for param in (experts.w13_weight, experts.w2_weight):
+            param.weight_loader = experts.load_weight  # type: ignore[attr-defined]
+
+    def process_expert_weights_after_loading(self, experts: MoEExperts) -> None:
+        """Called once per expert layer after the last checkpoint tensor (or dummy weights) is in; a method that
+        keeps quantized weights sets ``experts.scales`` (:class:`~minisgl.moe.ExpertScales`) here, for a backend
+        whose ``expert_dtypes`` lists the weights' dtype."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -17,7 +17,7 @@ from ..kernel import KernelSet, select_kernels
 from ..layers import ForwardContext, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
 from ..layers.linear import LinearBase
 from ..layers.quant import UNQUANTIZED, QuantMethod
-from ..moe import BaseMoEBackend
+from ..moe import BaseMoEBackend, MoEExperts
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,19 @@ class CausalLM(nn.Module):
             self._quantize_layers(ctx.quant)
 
     def _quantize_layers(self, quant: QuantMethod) -> None:
-        """Give each linear layer the method its checkpoint modules ask for (some stay unquantized)."""
+        """Give each linear layer and each layer's experts the method its checkpoint modules ask for (some stay
+        unquantized)."""
         for name, layer in self.named_modules():
             if isinstance(layer, LinearBase):
+                if not layer.quantize:
+                    continue
                 method = quant.for_layer(self.checkpoint_modules(name))
-                if method is not layer.quant:
-                    layer.use_quant(method)
+            elif isinstance(layer, MoEExperts):
+                method = quant.for_layer(layer.checkpoint_modules(name))
+            else:
+                continue
+            if method is not layer.quant:
+                layer.use_quant(method)
 
     def checkpoint_modules(self, name: str) -> list[str]:
         """The checkpoint's module names that layer ``name`` holds (``...qkv_proj`` holds q_proj, k_proj, v_proj)."""
@@ -145,10 +152,13 @@ class CausalLM(nn.Module):
         return parts or [name]
 
     def process_weights_after_loading(self) -> None:
-        """Let each linear layer's quantization method finish its weights (repack, de-quantize)."""
+        """Let each linear layer's (and each layer's experts') quantization method finish its weights (repack,
+        de-quantize)."""
         for layer in self.modules():
             if isinstance(layer, LinearBase):
                 layer.quant.process_weights_after_loading(layer)
+            elif isinstance(layer, MoEExperts):
+                layer.quant.process_expert_weights_after_loading(layer)
 
     @property
     def max_positions(self) -> int:

@@ -168,22 +168,7 @@ def _parse_compressed(config: dict[str, Any]) -> FP8Scheme:
     return FP8Scheme("compressed-tensors", schemes.pop(), "weight_scale", ignore=_names(config.get("ignore"), "ignore"))
 
 
-# The config.json keys that give a mixture-of-experts model its expert count (Qwen2/Qwen3-MoE, Mixtral, DeepSeek).
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def check_config(config: dict[str, Any] | None, model_config: dict[str, Any]) -> None:
-    """What the server asks before any worker starts (no torch): ``config`` parses (:func:`parse_config`) and
-    the model has no experts, whose FP8 weights the fused MoE path does not run yet; :class:`FP8ConfigError`
-    naming the setting or the model otherwise."""
+    """What the server asks before any worker starts (no torch): ``config`` parses (:func:`parse_config`);
+    :class:`FP8ConfigError` naming the setting otherwise. Dense and mixture-of-experts models load alike."""
     parse_config(config)
-    if any(isinstance(model_config.get(k), int) and model_config[k] > 0 for k in _EXPERT_KEYS):
-        arch = ", ".join(model_config.get("architectures") or []) or model_config.get("model_type") or "this model"
-        instead = (
-            "leave out --quantization fp8 to serve it unquantized"
-            if config is None
-            else "serve the model's unquantized (bf16) checkpoint instead"
-        )
-        raise FP8ConfigError(
-            f"cannot load this mixture-of-experts model ({arch}): FP8 experts are not supported yet; {instead}"
-        )

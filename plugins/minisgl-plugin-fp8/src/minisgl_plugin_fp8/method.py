@@ -16,6 +16,13 @@ rows do. The matmul is chosen once per layer when it is built (:meth:`FP8Method.
   token-count bucket, and every layer of that shape runs the fastest for its bucket (:mod:`.tuning`;
   ``MINISGL_FP8_TUNE=0`` keeps the defaults);
 - any other CUDA device or shape: de-quantize on every call, then the ordinary matmul.
+
+A mixture-of-experts layer's experts (``w13_weight`` ``[experts, 2 * inter, hidden]``, ``w2_weight``) are FP8 in
+the same layouts, with scales ``[experts, rows, k_blocks]`` kept per weight row as above
+(:meth:`FP8Method.create_expert_weights`). On CUDA, with a MoE backend that runs FP8 experts (its
+``expert_dtypes``: the ``fused`` Triton backend of minisgl-plugin-qwen3-moe), they stay FP8 and the backend
+de-quantizes each weight tile as it multiplies; elsewhere (the CPU, other backends) they are de-quantized once
+after loading into the model's dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers import UNQUANTIZED, LinearBase, LinearOp, QuantMethod, RowParallelLinear, new_param
+from minisgl.moe import ExpertScales, MoEExperts
 
 from .config import FP8Scheme, parse_config
 from .reference import FP8, dequantize, expand_block_scale, quantize_rows
@@ -67,7 +75,6 @@ class FP8Method(QuantMethod):
     """FP8 weights of the layout ``scheme`` for an engine of activation ``dtype`` on ``device``."""
 
     name = "fp8"
-    supports_moe = False  # the fused MoE experts take no FP8 weights yet
 
     def __init__(
         self,
@@ -96,8 +103,8 @@ class FP8Method(QuantMethod):
         if any(ignored):
             kept = [n for n, i in zip(checkpoint_names, ignored, strict=True) if i]
             raise ValueError(
-                f"the checkpoint leaves {', '.join(kept)} unquantized but quantizes the other parts of the fused "
-                f"layer {', '.join(checkpoint_names)}; minisgl fuses them into one weight, so all or none must be"
+                f"the checkpoint leaves {_some(kept)} unquantized but quantizes the other parts of the fused "
+                f"layer {_some(checkpoint_names)}; minisgl fuses them into one weight, so all or none must be"
             )
         return self
 
@@ -251,6 +258,95 @@ class FP8Method(QuantMethod):
 
         table = self.tuner.table(key, self.candidates(path), weight, scale, bias, reference, self.dtype)
         layer.fp8_gemms = table  # type: ignore[assignment]
+
+    # --------------------------------------------------------------- experts
+    def create_expert_weights(
+        self, experts: MoEExperts, dtype: torch.dtype | None, device: torch.device | None
+    ) -> None:
+        if self.scheme.layout == "online":  # the checkpoint's experts in the model's dtype, quantized after loading
+            return super().create_expert_weights(experts, dtype, device)
+        e, n, hidden, bk = experts.num_experts, experts.local_inter, experts.hidden_size, self.block_k
+        if bk is not None and experts.tp.size > 1 and n % bk:
+            raise ValueError(
+                f"block-wise FP8 experts need each tensor-parallel rank's expert intermediate size ({n}) to be a "
+                f"multiple of the block width {bk}; use a smaller --tp"
+            )
+        experts.w13_weight = new_param(e, 2 * n, hidden, dtype=FP8, device=device)
+        experts.w2_weight = new_param(e, hidden, n, dtype=FP8, device=device)
+        for weight in (experts.w13_weight, experts.w2_weight):
+            weight.weight_loader = experts.load_weight  # type: ignore[attr-defined]
+        blocks = (-(-hidden // bk), -(-n // bk)) if bk is not None else (1, 1)
+        for prefix, rows, k_blocks in (("w13", 2 * n, blocks[0]), ("w2", hidden, blocks[1])):
+            # NaN until loaded: a checkpoint that leaves out some expert's scale is refused after loading.
+            scale = nn.Parameter(torch.full((e, rows, k_blocks), float("nan"), device=device), requires_grad=False)
+            scale.weight_loader = partial(self._load_expert_scale, experts)  # type: ignore[attr-defined]
+            for name in (self.scale_name, *self.scheme.scale_aliases):
+                experts.register_parameter(f"{prefix}_{name}", scale)
+
+    def _load_expert_scale(
+        self, experts: MoEExperts, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        """Expand one expert's checkpoint scale to one row of scales per weight row, then load it as its rows."""
+        part, expert = shard_id if isinstance(shard_id, tuple) and len(shard_id) == 2 else (None, None)
+        if expert is None:
+            raise ValueError(f"FP8 expert scales load per expert (experts.<e>.<part>_proj), not as {shard_id!r}")
+        rows = experts.hidden_size if part == "down" else experts.intermediate_size
+        if self.scheme.block is not None:
+            per_row = expand_block_scale(loaded, self.scheme.block, rows)
+        elif loaded.numel() == 1:
+            per_row = loaded.float().reshape(1, 1).expand(rows, 1).contiguous()
+        elif loaded.numel() == rows:
+            per_row = loaded.float().reshape(rows, 1)
+        else:
+            raise ValueError(f"scale has shape {tuple(loaded.shape)}, expected one value or one per row ({rows})")
+        experts.load_weight(param, per_row, shard_id)
+
+    def process_expert_weights_after_loading(self, experts: MoEExperts) -> None:
+        found = {p: self._expert_weight(experts, p) for p in ("w13", "w2")}
+        for p in ("w13", "w2"):
+            for name in (self.scale_name, *self.scheme.scale_aliases):
+                if hasattr(experts, f"{p}_{name}"):
+                    delattr(experts, f"{p}_{name}")
+        runs_fp8 = experts.w13_weight.is_cuda and FP8 in experts.backend.expert_dtypes
+        dtype = experts.dtype or self.dtype
+        for p, (weight, scale) in found.items():
+            if runs_fp8:
+                setattr(experts, f"{p}_weight", nn.Parameter(weight, requires_grad=False))
+                setattr(experts, f"{p}_{self.scale_name}", nn.Parameter(scale.contiguous(), requires_grad=False))
+                continue
+            out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+            for e in range(weight.shape[0]):  # one expert at a time: float32 of one expert's matrix at most
+                out[e] = dequantize(
+                    weight[e], scale[e] if self.block_k is not None else scale[e, :, 0], self.block_k, dtype
+                )
+            setattr(experts, f"{p}_weight", nn.Parameter(out, requires_grad=False))
+        experts.scales = None
+        if runs_fp8:
+            w13, w2 = (getattr(experts, f"{p}_{self.scale_name}") for p in ("w13", "w2"))
+            experts.scales = ExpertScales(w13, w2, self.block_k)
+
+    def _expert_weight(self, experts: MoEExperts, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(FP8 weight, scale [experts, rows, k_blocks])`` of ``w13`` or ``w2``, quantized here if online."""
+        weight = getattr(experts, f"{prefix}_weight").data
+        if self.scheme.layout == "online":
+            q, scale = quantize_rows(weight.flatten(0, 1))
+            return q.view(weight.shape), scale.view(weight.shape[0], weight.shape[1], 1)
+        scale = getattr(experts, f"{prefix}_{self.scale_name}").data
+        if torch.isnan(scale).any():
+            missing = torch.isnan(scale).flatten(1).any(dim=1).nonzero().flatten().tolist()
+            part = "gate_proj and up_proj" if prefix == "w13" else "down_proj"
+            raise KeyError(
+                f"the checkpoint has no {self.scale_name} for the {part} of expert(s) "
+                f"{_some([str(e) for e in missing])} of a layer"
+            )
+        return weight, scale
+
+
+def _some(names: Sequence[str], shown: int = 4) -> str:
+    """``names`` joined, the first ``shown`` of them when there are more."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return ", ".join(names[:shown]) + f" and {len(names) - shown} more"
 
 
 def _between(lo: int, hi: int, m: int) -> bool:

@@ -12,6 +12,10 @@ One MoE layer is three kernels after routing:
 3. a grouped GEMM ``h @ w2[e].T`` scaled by the routing weight, one output row
    per assignment, then summed over each token's ``top_k`` rows.
 
+FP8 experts (``scales``: minisgl-plugin-fp8's checkpoints) are de-quantized
+tile by tile in both GEMMs, each tile by its rows' scales of the input-column
+block it lies in, so the layer streams half the bytes of bf16 experts.
+
 Every block reads one expert's weight tile once for up to ``block_m`` tokens,
 so at small batches the layer streams each active expert's weights once,
 which is the memory-bandwidth floor. Nothing waits on the GPU (sizes are
@@ -29,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.moe import BaseMoEBackend
+from minisgl.moe import BaseMoEBackend, ExpertScales
 
 from .align import align_torch, max_blocks
 
@@ -141,14 +145,22 @@ def _gate_up_silu_kernel(
     stride_wk,
     stride_hm,
     stride_hn,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    scale_block,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """h[a, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for assignment a = t * top_k + j routed to e."""
+    """h[a, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for assignment a = t * top_k + j routed to e.
+    SCALED: w13 is quantized (FP8); each tile is de-quantized by its rows' scales of the ``scale_block`` input
+    columns it lies in (a multiple of BLOCK_K) before the product."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -163,6 +175,8 @@ def _gate_up_silu_kernel(
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
+    sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    su_ptrs = sg_ptrs + N * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -175,6 +189,12 @@ def _gate_up_silu_kernel(
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SCALED:
+            kb = k0 // scale_block
+            sg = tl.load(sg_ptrs + kb * stride_sk, mask=col_ok, other=0.0)
+            su = tl.load(su_ptrs + kb * stride_sk, mask=col_ok, other=0.0)
+            bg = (bg.to(tl.float32) * sg[None, :]).to(a.dtype)
+            bu = (bu.to(tl.float32) * su[None, :]).to(a.dtype)
         if IEEE:  # float32 models: full-precision products, not TF32
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
@@ -208,14 +228,20 @@ def _down_kernel(
     stride_wk,
     stride_om,
     stride_on,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    scale_block,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """out[a, n] = weight[a] * (h[a] . w2[e, n]) for assignment a routed to expert e."""
+    """out[a, n] = weight[a] * (h[a] . w2[e, n]) for assignment a routed to expert e (SCALED: as above)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -229,6 +255,7 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    s_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -238,6 +265,9 @@ def _down_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SCALED:
+            sb = tl.load(s_ptrs + (k0 // scale_block) * stride_sk, mask=col_ok, other=0.0)
+            b = (b.to(tl.float32) * sb[None, :]).to(a.dtype)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -266,6 +296,16 @@ def align(
     return sorted_ids, block_expert
 
 
+def _k_tile(tile: int, scale_block: int | None) -> int:
+    """The K tile of a GEMM over weights with scales per ``scale_block`` input columns: a tile lies in one block."""
+    if scale_block is None:
+        return tile
+    fit = scale_block & -scale_block  # the largest power of two dividing the block
+    if fit < 16:
+        raise ValueError(f"FP8 experts need a scale block width that is a multiple of 16, got {scale_block}")
+    return min(tile, fit)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -274,8 +314,11 @@ def fused_moe(
     topk_ids: torch.Tensor,
     config: MoEConfig | None = None,
     align_method: str = "auto",
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """The routed experts' output ``[tokens, hidden]``; see :meth:`minisgl.moe.BaseMoEBackend.forward`."""
+    """The routed experts' output ``[tokens, hidden]``; see :meth:`minisgl.moe.BaseMoEBackend.forward`. With
+    ``scales``, ``w13`` and ``w2`` are FP8 and are de-quantized tile by tile (weight-only FP8: the products run
+    in the activations' dtype)."""
     tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -292,26 +335,33 @@ def fused_moe(
     sorted_ids, block_expert = align(topk_ids, num_experts, cfg.block_m, align_method)
     nb = block_expert.numel()
     ieee = hidden.dtype == torch.float32
+    block = scales.block_k if scales is not None else None
+    g, d = cfg.gate_up, cfg.down
+    gk, dk = _k_tile(g.block_k, block), _k_tile(d.block_k, block)
+    # Without a block, one scale per row: every K tile reads column 0 (k0 // scale_block is 0 below K).
+    s13, s2 = (scales.w13, scales.w2) if scales is not None else (None, None)
+    g_scale = _scale_args(s13, block or triton.cdiv(hidden_size, gk) * gk, w13)
+    d_scale = _scale_args(s2, block or triton.cdiv(inter, dk) * dk, w2)
 
     h = torch.empty(m, inter, dtype=hidden.dtype, device=hidden.device)
-    g = cfg.gate_up
     _gate_up_silu_kernel[(nb * triton.cdiv(inter, g.block_n),)](
         hidden, w13, h, sorted_ids, block_expert,
         m, top_k, inter, hidden_size, nb,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0), h.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-        EVEN_K=hidden_size % g.block_k == 0, IEEE=ieee,
+        *g_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=gk, GROUP_M=g.group_m,
+        EVEN_K=hidden_size % gk == 0, IEEE=ieee, SCALED=scales is not None,
         num_warps=g.num_warps, num_stages=g.num_stages,
     )  # fmt: skip
     out = torch.empty(m, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    d = cfg.down
     _down_kernel[(nb * triton.cdiv(hidden_size, d.block_n),)](
         h, w2, out, weights, sorted_ids, block_expert,
         m, hidden_size, inter, nb,
         h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m,
-        EVEN_K=inter % d.block_k == 0, IEEE=ieee,
+        *d_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=dk, GROUP_M=d.group_m,
+        EVEN_K=inter % dk == 0, IEEE=ieee, SCALED=scales is not None,
         num_warps=d.num_warps, num_stages=d.num_stages,
     )  # fmt: skip
     if top_k == 1:
@@ -319,10 +369,21 @@ def fused_moe(
     return out.view(tokens, top_k, hidden_size).sum(dim=1)
 
 
+def _scale_args(
+    scale: torch.Tensor | None, block: int, unused: torch.Tensor
+) -> tuple[torch.Tensor, int, int, int, int]:
+    """A kernel's ``(s_ptr, stride_se, stride_sn, stride_sk, scale_block)``; without scales, ``unused`` (any
+    tensor: the kernel never reads it) and zero strides."""
+    if scale is None:
+        return unused, 0, 0, 0, block
+    return scale, scale.stride(0), scale.stride(1), scale.stride(2), block
+
+
 class FusedMoEBackend(BaseMoEBackend):
     """Triton fused MoE (CUDA). ``config`` pins the tiles (benchmarks); by default they follow the batch size."""
 
     supports_cuda_graph = True
+    expert_dtypes = (torch.float8_e4m3fn,)  # FP8 experts (minisgl-plugin-fp8), de-quantized tile by tile
 
     def __init__(self, config: MoEConfig | None = None, align_method: str = "auto"):
         if align_method not in ("auto", "triton", "torch"):
@@ -337,5 +398,6 @@ class FusedMoEBackend(BaseMoEBackend):
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        scales: ExpertScales | None = None,
     ) -> torch.Tensor:
-        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, self.config, self.align_method)
+        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, self.config, self.align_method, scales)

@@ -52,6 +52,7 @@ class Qwen3MoeForCausalLM(CausalLM):
                 cfg.num_experts_per_tok,
                 renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
                 backend=ctx.moe_backend,
+                quant=ctx.quant,
                 **kw,
             )
         else:
