@@ -18,6 +18,7 @@ from minisgl_plugin_fp8.testing import LAYOUTS, write_fp8_checkpoint
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import ValidationError
+from minisgl.moe import TorchMoEBackend
 from minisgl.testing.models import hf_greedy, random_prompts, save_tiny_model
 
 PROMPTS = random_prompts([5, 17, 33], vocab_size=512, seed=3)
@@ -194,6 +195,62 @@ def test_moe_checkpoint_matches_transformers_on_dequantized_weights(
         assert not [n for n, _ in experts.named_parameters() if "scale" in n]
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
         llm.check_accounting()
+    assert [o.token_ids for o in outs] == hf_tokens_of(tmp_path / "fp8", state, tmp_path / "reference")
+
+
+class FP8ReadingBackend(TorchMoEBackend):
+    """The torch backend over FP8 experts: de-quantizes each active expert's weights with ``scales`` per call
+    (what the fused backend does tile by tile), so the experts stay FP8 after loading."""
+
+    expert_dtypes = (torch.float8_e4m3fn,)
+
+    def forward(self, hidden, w13, w2, topk_weights, topk_ids, scales=None):  # type: ignore[no-untyped-def]
+        assert scales is not None and w13.dtype == w2.dtype == torch.float8_e4m3fn
+        calls.append(scales.block_k)
+
+        def real(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            width = scales.block_k or w.shape[-1]
+            return (w.float() * s.repeat_interleave(width, dim=-1)[..., : w.shape[-1]]).to(hidden.dtype)
+
+        return super().forward(hidden, real(w13, scales.w13), real(w2, scales.w2), topk_weights, topk_ids)
+
+
+calls: list[int | None] = []
+
+
+def fp8_backend_registry():  # type: ignore[no-untyped-def]
+    import types
+
+    from minisgl.plugins import MoEBackendSpec, PluginSource, hookimpl, load_plugins
+
+    module = types.ModuleType("fp8_reading_moe")
+
+    @hookimpl
+    def minisgl_moe_backends() -> list[MoEBackendSpec]:
+        return [MoEBackendSpec(name="fp8-reading", factory=FP8ReadingBackend)]
+
+    module.minisgl_moe_backends = minisgl_moe_backends  # type: ignore[attr-defined]
+    source = PluginSource("fp8-reading", module)
+    return load_plugins(only=["builtin", "fp8", "qwen3_moe", "fp8-reading"], extra=[source], environ={})
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "fp8-tensor"])
+def test_a_backend_that_reads_fp8_experts_gets_them_with_their_scales(
+    float_moe: Path, tmp_path: Path, layout: str
+) -> None:
+    """With a backend listing float8 in ``expert_dtypes`` the experts stay FP8 and every call gets their scales
+    (per row and block of 128 input columns, or per row): the tokens are those of the de-quantized weights."""
+    state = write_fp8_checkpoint(float_moe, tmp_path / "fp8", layout)
+    calls.clear()
+    with LLM(str(tmp_path / "fp8"), device="cpu", moe_backend="fp8-reading", registry=fp8_backend_registry()) as llm:
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        block = 128 if layout == "fp8-block" else None
+        assert experts.scales is not None and experts.scales.block_k == block
+        k_blocks = 2 if block else 1  # hidden 192 and expert size 160: a whole block and a partial one
+        assert tuple(experts.scales.w13.shape) == (4, 2 * 160, k_blocks)
+        assert tuple(experts.scales.w2.shape) == (4, 192, k_blocks)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert calls and set(calls) == {block}
     assert [o.token_ids for o in outs] == hf_tokens_of(tmp_path / "fp8", state, tmp_path / "reference")
 
 

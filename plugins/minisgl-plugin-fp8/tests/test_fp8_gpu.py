@@ -11,6 +11,8 @@ Bounds, as relative Frobenius error ``||y - ref|| / ||ref||``:
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import test_fp8_conformance as cpu_kit  # the CPU conformance classes, rerun below on the GPU kernels
 import torch
@@ -266,6 +268,46 @@ def test_fp8_weights_under_cuda_graphs_agree_with_eager_decode(tmp_path) -> None
             outs[graphs] = llm.generate(prompts, params)
     decisive = _decisive_agreement(outs[0], outs[16], margin=0.5)
     assert decisive >= 4, f"only {decisive} decisive greedy choices: the comparison tested too little"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the fused MoE backend needs Triton")
+def test_fp8_moe_checkpoint_runs_fp8_experts_and_agrees_with_its_dequantized_weights(tmp_path) -> None:
+    """A Qwen3-MoE FP8 checkpoint (block-wise, experts per expert) on CUDA keeps its experts in FP8 for the fused
+    backend; eager and under CUDA graphs it picks the greedy token of the same weights de-quantized into a bf16
+    checkpoint wherever that one is decisive (0.5 nats: activations are quantized by the FP8 GEMMs, not by
+    the experts, which run weight-only FP8)."""
+    import json
+
+    from minisgl_plugin_fp8.testing import write_fp8_checkpoint
+    from safetensors.torch import save_file
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.testing.models import random_prompts, save_tiny_model
+
+    fields = {"hidden_size": 256, "moe_intermediate_size": 384, "intermediate_size": 512, "head_dim": 64}
+    save_tiny_model("Qwen3MoeForCausalLM", tmp_path / "float", num_experts=8, num_experts_per_tok=2, **fields)
+    state = write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "fp8-block")
+    (tmp_path / "dequantized").mkdir()
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "dequantized" / "config.json").write_text(json.dumps(config))
+    bf16 = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
+    save_file(bf16, str(tmp_path / "dequantized" / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts([9, 21, 40, 64, 12, 30, 50], vocab_size=512, seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    kw = {"device": "cuda", "dtype": "bfloat16", "moe_backend": "fused"}
+    with LLM(str(tmp_path / "dequantized"), cuda_graph_max_bs=0, **kw) as llm:
+        ref = llm.generate(prompts, params)
+    for graphs in (0, 16):
+        with LLM(str(tmp_path / "fp8"), cuda_graph_max_bs=graphs, **kw) as llm:
+            experts = llm.engine.model.model.layers[0].mlp.experts
+            assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.scales is not None
+            assert experts.scales.block_k == 128 and tuple(experts.scales.w13.shape) == (8, 2 * 384, 2)
+            got = llm.generate(prompts, params)
+            llm.check_accounting()
+        decisive = _decisive_agreement(ref, got, margin=0.5)
+        print(f"RESULT fp8-moe cuda_graph_max_bs={graphs} decisive={decisive}")
+        assert decisive >= 4, f"only {decisive} decisive greedy choices: the comparison tested too little"
 
 
 class TestFP8BlockOnCuda(cpu_kit.TestFP8Block):

@@ -19,10 +19,10 @@ rows do. The matmul is chosen once per layer when it is built (:meth:`FP8Method.
 
 A mixture-of-experts layer's experts (``w13_weight`` ``[experts, 2 * inter, hidden]``, ``w2_weight``) are FP8 in
 the same layouts, with scales ``[experts, rows, k_blocks]`` kept per weight row as above
-(:meth:`FP8Method.create_expert_weights`). On CUDA, with a MoE backend that runs FP8 experts (its
-``expert_dtypes``: the ``fused`` Triton backend of minisgl-plugin-qwen3-moe), they stay FP8 and the backend
-de-quantizes each weight tile as it multiplies; elsewhere (the CPU, other backends) they are de-quantized once
-after loading into the model's dtype.
+(:meth:`FP8Method.create_expert_weights`). With a MoE backend that runs FP8 experts (its ``expert_dtypes``: the
+``fused`` Triton backend of minisgl-plugin-qwen3-moe, on CUDA) they stay FP8 and the backend de-quantizes each
+weight tile as it multiplies; with any other (the built-in ``torch`` backend, the CPU's) they are de-quantized
+once after loading into the model's dtype.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ class FP8Method(QuantMethod):
             for name in (self.scale_name, *self.scheme.scale_aliases):
                 if hasattr(experts, f"{p}_{name}"):
                     delattr(experts, f"{p}_{name}")
-        runs_fp8 = experts.w13_weight.is_cuda and FP8 in experts.backend.expert_dtypes
+        runs_fp8 = FP8 in experts.backend.expert_dtypes  # else de-quantized once, for any backend
         dtype = experts.dtype or self.dtype
         for p, (weight, scale) in found.items():
             if runs_fp8:
