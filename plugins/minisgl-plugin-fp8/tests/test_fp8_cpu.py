@@ -324,6 +324,28 @@ def test_tensor_parallel_ranks_load_their_shards(float_models: dict, tmp_path: P
     assert generate(tmp_path, tp=2) == reference_tokens(hf_model, state)
 
 
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel"])
+def test_tensor_parallel_ranks_load_their_expert_shards(tmp_path: Path, layout: str) -> None:
+    """tp=2 on the CPU with FP8 experts: each rank takes its gate/up rows and down columns of every expert and
+    the matching scales (block scales: down's 128-column blocks; per-row scales whole)."""
+    fields = {**MOE_FIELDS, "hidden_size": 256, "moe_intermediate_size": 256, "num_attention_heads": 4, "head_dim": 64}
+    save_tiny_model("Qwen3MoeForCausalLM", tmp_path / "float", **fields)
+    state = write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", layout)
+    tokens = generate(tmp_path / "fp8", tp=2)
+    assert tokens == hf_tokens_of(tmp_path / "fp8", state, tmp_path / "reference")
+
+
+def test_block_experts_that_do_not_split_into_whole_blocks_are_refused(tmp_path: Path) -> None:
+    """Attention splits into whole 128-column blocks at tp=2, the experts (160: 80 per rank) do not."""
+    fields = {**MOE_FIELDS, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "intermediate_size": 512}
+    save_tiny_model("Qwen3MoeForCausalLM", tmp_path / "float", **fields)
+    write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "fp8-block")
+    with pytest.raises(ValueError, match=r"expert intermediate size \(80\) to be a multiple of the block width 128"):
+        LLM(str(tmp_path / "fp8"), device="cpu", tp=2)
+    children = " ".join(p.read_text() for p in Path("/proc/self/task").glob("*/children"))
+    assert not children.split(), f"rank processes left running: {children}"
+
+
 def test_scaled_mm_call_on_torchs_cpu_implementation() -> None:
     """The per-channel GPU path's torch._scaled_mm call (operand layout, scale shapes, bias, 3-D input), run by
     torch's CPU implementation of the same operator, against the float32 W8A8 reference."""
