@@ -14,6 +14,10 @@ against the memory-bandwidth floor: the weights of every expert that receives a
 token read once, plus the activations read and written once, at the copy rate
 given by ``--copy-tbps`` (and the rate measured here, for reference).
 
+``--fp8 block`` (scales per row and 128 input columns, as FP8 checkpoints store them) or ``--fp8 row`` also
+times the fused backend on the same weights in FP8 (de-quantized tile by tile), beside bf16, against its own
+floor (one byte per weight, plus the scales); both run on the FP8 weights de-quantized, so they compute the same.
+
     python plugins/minisgl-plugin-qwen3-moe/benchmarks/moe_layer.py --json out.json --md out.md
 """
 
@@ -30,7 +34,7 @@ import torch
 from minisgl_plugin_qwen3_moe.fused_moe import FusedMoEBackend, GemmConfig, MoEConfig, default_config
 from triton.testing import do_bench, do_bench_cudagraph
 
-from minisgl.moe import route
+from minisgl.moe import ExpertScales, route
 from minisgl.moe.torch_backend import TorchMoEBackend
 
 # Alternative tiles tried at every token count (the default is always measured too).
@@ -70,7 +74,46 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_tokens(args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, Any]:
+def fp8_experts(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[E, R, K]`` as (float8, scales ``[E, R, k_blocks]``, de-quantized in ``w``'s dtype), per row and ``block``
+    input columns (``block`` None: per row)."""
+    e, r, k = w.shape
+    width = block or k
+    kb = -(-k // width)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * width - k)).view(e, r, kb, width)
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / 448.0
+    q = (padded / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(e, r, kb * width)[..., :k]
+    return q.contiguous(), scale, (q.float() * scale.repeat_interleave(width, dim=-1)[..., :k]).to(w.dtype)
+
+
+def bench_fp8(
+    args: argparse.Namespace,
+    row: dict[str, Any],
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    fp8: tuple[torch.Tensor, torch.Tensor, ExpertScales],
+    ref: torch.Tensor,
+) -> None:
+    """The fused backend on FP8 experts: error against ``ref`` (the de-quantized weights), graph time, floor."""
+    q13, q2, scales = fp8
+    be = FusedMoEBackend()
+    out = be.forward(x, q13, q2, weights, ids, scales=scales)
+    scale_bytes = (scales.w13[0].numel() + scales.w2[0].numel()) * 4
+    weight_bytes = row["active_experts"] * (3 * args.hidden * args.inter + scale_bytes)
+    row["fp8_floor_us"] = (weight_bytes + 2 * x.numel() * x.element_size()) / (args.copy_tbps * 1e12) * 1e6
+    row["fp8_rel_error_vs_dequantized"] = rel_error(out, ref)
+    row["fp8_graph_us"] = graph_us(lambda: be.forward(x, q13, q2, weights, ids, scales=scales))
+    row["fp8_vs_bf16"] = row["fp8_graph_us"] / row["fused_graph_us"]
+
+
+def bench_tokens(
+    args: argparse.Namespace,
+    tokens: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    fp8: tuple[torch.Tensor, torch.Tensor, ExpertScales] | None = None,
+) -> dict[str, Any]:
     dev, dtype = w13.device, w13.dtype
     gen = torch.Generator(device=dev).manual_seed(tokens)
     x = torch.randn(tokens, args.hidden, device=dev, dtype=dtype, generator=gen)
@@ -111,6 +154,8 @@ def bench_tokens(args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: t
     row["best_graph_us"], row["best_config"] = best
     timed = row["fused_graph_us"] if row["fused_graph_us"] == row["fused_graph_us"] else row["fused_eager_us"]
     row["fused_vs_floor"] = timed / row["floor_us"]
+    if fp8 is not None:
+        bench_fp8(args, row, x, weights, ids, fp8, ref)
     return row
 
 
@@ -147,6 +192,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['fused_eager_us']:.1f} | {r['fused_graph_us']:.1f} | {r['fused_vs_floor']:.2f}x "
             f"| {r['best_graph_us']:.1f} | {r['rel_error_fused_vs_torch']:.1e} |"
         )
+    if a.get("fp8") != "none":
+        lines += [
+            "",
+            f"FP8 experts (`--fp8 {a['fp8']}`), the fused backend from a CUDA graph; both rows run the same "
+            "(de-quantized) weights:",
+            "",
+            "| tokens | FP8 floor | bf16 (graph) | FP8 (graph) | FP8 / bf16 | FP8 / its floor | rel. error |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in result["rows"]:
+            lines.append(
+                f"| {r['tokens']} | {r['fp8_floor_us']:.1f} | {r['fused_graph_us']:.1f} | {r['fp8_graph_us']:.1f} "
+                f"| {r['fp8_vs_bf16']:.2f}x | {r['fp8_graph_us'] / r['fp8_floor_us']:.2f}x "
+                f"| {r['fp8_rel_error_vs_dequantized']:.1e} |"
+            )
     lines += ["", "Default and best tiles per token count:", ""]
     for r in result["rows"]:
         lines.append(f"- {r['tokens']} tokens: default `{r['default_config']}`; best `{r['best_config']}`")
@@ -164,6 +224,7 @@ def main() -> None:
     ap.add_argument("--copy-tbps", type=float, default=4.3, help="copy rate for the floor (TB/s)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="matrix rate for the compute floor (TFLOP/s)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tiles")
+    ap.add_argument("--fp8", default="none", choices=["none", "block", "row"], help="also time FP8 experts")
     ap.add_argument("--commit", default=None, help="commit benchmarked (default: git rev-parse HEAD)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
@@ -176,11 +237,17 @@ def main() -> None:
     w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, device=dev, dtype=dtype, generator=gen)
     w13 *= args.hidden**-0.5
     w2 = torch.randn(args.experts, args.hidden, args.inter, device=dev, dtype=dtype, generator=gen) * args.inter**-0.5
+    fp8 = None
+    if args.fp8 != "none":  # every row then runs the de-quantized weights, so bf16 and FP8 compute the same
+        block = 128 if args.fp8 == "block" else None
+        q13, s13, w13 = fp8_experts(w13, block)
+        q2, s2, w2 = fp8_experts(w2, block)
+        fp8 = (q13, q2, ExpertScales(s13, s2, block))
     result: dict[str, Any] = {
         "machine": f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
         f"triton {__import__('triton').__version__}",
         "command": "python plugins/minisgl-plugin-qwen3-moe/benchmarks/moe_layer.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("tokens",))
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("tokens", "fp8"))
         + (" --sweep" if args.sweep else ""),
         "commit": args.commit or git_commit(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -189,7 +256,7 @@ def main() -> None:
         "rows": [],
     }
     for tokens in (int(t) for t in args.tokens.split(",")):
-        row = bench_tokens(args, tokens, w13, w2)
+        row = bench_tokens(args, tokens, w13, w2, fp8)
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
         if args.json:  # written after every row, so a run cut short still leaves its results
