@@ -318,6 +318,19 @@ class TestFP8BlockOnCuda(cpu_kit.TestFP8Block):
     max_rel_err = 0.08  # activations quantized to FP8 per token (see the module docstring)
 
 
+def _fused_backend():  # noqa: ANN202 - the qwen3-moe plugin's Triton backend, imported when a test builds it
+    from minisgl_plugin_qwen3_moe.fused_moe import FusedMoEBackend
+
+    return FusedMoEBackend()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the fused MoE backend needs Triton")
+class TestFP8BlockFusedExpertsOnCuda(TestFP8BlockOnCuda):
+    """The kit's experts test with the experts kept in FP8 for the fused backend (the tile de-quantization)."""
+
+    expert_backend = staticmethod(_fused_backend)
+
+
 class TestFP8PerTensorOnCuda(cpu_kit.TestFP8PerTensor):
     device, dtype, max_rel_err = "cuda", torch.bfloat16, 0.08
 

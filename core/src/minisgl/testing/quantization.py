@@ -25,6 +25,12 @@ goes through its parameter's ``weight_loader`` in the parameter's dtype (as ``Ca
 (relative Frobenius error) of ``x @ W.T`` for this rank's slice of the de-quantized weight, in float32. A scale
 of the wrong shape must be refused (``ValueError``). Set ``device``/``dtype`` for a GPU method and raise
 ``max_rel_err`` where activations are quantized too.
+
+Mixture-of-experts layers, for a method that overrides ``create_expert_weights``: each expert's gate, up and
+down matrices quantized by :meth:`quantize` and loaded per expert (``w13_<suffix>`` / ``w2_<suffix>``, shard id
+``(part, expert)``), then ``process_expert_weights_after_loading``; the layer (run by ``expert_backend()``, the
+``torch`` backend by default: set it to a backend listing your weights' dtype in ``expert_dtypes`` to test that
+path) must be within ``max_rel_err`` of the ``torch`` backend on this rank's slices of the de-quantized weights.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from ..layers import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from ..moe import BaseMoEBackend, MoEExperts, TorchMoEBackend, route
 from ..plugins import ComponentSpec, load_plugins, resolve
 
 TP = {"tp1": TPInfo(0, 1), "rank1of2": TPInfo(1, 2)}
@@ -60,6 +67,8 @@ class QuantMethodConformance:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     max_rel_err: float = 1e-5
+    #: The MoE backend the experts test runs (a callable returning one).
+    expert_backend: Callable[[], BaseMoEBackend] = TorchMoEBackend
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """Checkpoint tensors of one ``[out, in]`` float32 weight, by the suffix after the module name."""
@@ -163,3 +172,49 @@ class QuantMethodConformance:
         bad = torch.cat([tensors[name].reshape(-1)] * 3).reshape(-1, 1, 1)  # wrong size and rank
         with pytest.raises((ValueError, RuntimeError)):
             self.load(layer, {name: bad}, 0)
+
+    @pytest.mark.parametrize("tp", list(TP))
+    def test_experts_match_the_dequantized_weights(self, quant: QuantMethod, tp: str) -> None:
+        if type(quant).create_expert_weights is QuantMethod.create_expert_weights or not quant.supports_moe:
+            pytest.skip("the method does not quantize mixture-of-experts layers")
+        info = TP[tp]
+        # Not multiples of 128 at one rank; whole blocks of 128 per rank at two.
+        hidden, inter, experts = (192, 160, 3) if info.size == 1 else (256, 256, 3)
+        device = torch.device(self.device)
+        backend = type(self).expert_backend()
+        layer = MoEExperts(
+            experts, hidden, inter, backend=backend, tp=info, dtype=self.dtype, device=device, quant=quant
+        )
+        params = dict(layer.named_parameters())
+        gen = torch.Generator().manual_seed(11)
+        w13 = torch.empty(experts, 2 * layer.local_inter, hidden)
+        w2 = torch.empty(experts, hidden, layer.local_inter)
+        lo, n = info.rank * layer.local_inter, layer.local_inter
+        for e in range(experts):
+            for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+                full = torch.randn(*shape, generator=gen) * shape[1] ** -0.5
+                tensors = self.quantize(full)
+                for suffix, tensor in tensors.items():
+                    name = f"{'w2' if part == 'down' else 'w13'}_{suffix}"
+                    if name not in params:
+                        raise AssertionError(f"MoEExperts has no parameter '{name}' (has {', '.join(params)})")
+                    param = params[name]
+                    param.weight_loader(param, tensor.to(device=param.device, dtype=param.dtype), (part, e))  # type: ignore[attr-defined]
+                real = self.dequantize(tensors).float()
+                if part == "down":
+                    w2[e] = real[:, lo : lo + n]
+                else:
+                    w13[e, (0 if part == "gate" else n) : (0 if part == "gate" else n) + n] = real[lo : lo + n]
+        quant.process_expert_weights_after_loading(layer)
+        for tokens in (1, 7, 40):
+            g = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=self.dtype)
+            weights, ids = route(torch.randn(tokens, experts, generator=g).to(device), 2, True)
+            with torch.inference_mode():
+                y = layer(x, weights, ids)
+            ref = TorchMoEBackend().forward(x.float(), w13.to(device), w2.to(device), weights, ids)
+            assert y.shape == ref.shape, f"experts {tp}: output shape {tuple(y.shape)}, expected {tuple(ref.shape)}"
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err <= self.max_rel_err, (
+                f"experts {tp}, {tokens} tokens: relative error {err:.2e} > {self.max_rel_err}"
+            )
