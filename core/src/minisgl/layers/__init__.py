@@ -13,12 +13,13 @@ from .linear import (
 )
 from .mlp import GatedMLP, activation
 from .norm import RMSNorm
-from .quant import UNQUANTIZED, LinearOp, QuantMethod, Unquantized, new_param
+from .quant import UNQUANTIZED, ExpertWeights, LinearOp, QuantMethod, Unquantized, new_param
 from .rotary import RotaryEmbedding, rope_parameters
 
 __all__ = [
     "AttentionBlock",
     "ColumnParallelLinear",
+    "ExpertWeights",
     "ForwardContext",
     "GatedMLP",
     "LinearBase",

@@ -9,17 +9,31 @@ stacked expert weights (:class:`~minisgl.moe.MoEExperts`) are created and finish
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..moe.layer import MoEExperts
     from .linear import LinearBase
 
 #: ``(x, weight, bias) -> y``: what a linear layer's forward calls, chosen once per layer.
 LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class ExpertWeights(Protocol):
+    """What a quantization method sees of a mixture-of-experts layer (:class:`minisgl.moe.MoEExperts`): its sizes
+    (``local_inter``: this rank's share of ``intermediate_size``), the weights it creates there and the loader
+    that slices a checkpoint tensor into them."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    local_inter: int
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None: ...
 
 
 def new_param(*shape: int, dtype: torch.dtype | None, device: torch.device | None) -> nn.Parameter:
@@ -62,7 +76,7 @@ class QuantMethod:
         return self
 
     def create_expert_weights(
-        self, experts: MoEExperts, dtype: torch.dtype | None, device: torch.device | None
+        self, experts: ExpertWeights, dtype: torch.dtype | None, device: torch.device | None
     ) -> None:
         """Register ``experts.w13_weight`` ``[experts, 2 * inter, hidden]`` and ``experts.w2_weight`` ``[experts,
         hidden, inter]`` (``inter``: this rank's share) and any scale tensors, each with a ``weight_loader``
@@ -74,7 +88,7 @@ class QuantMethod:
         for param in (experts.w13_weight, experts.w2_weight):
             param.weight_loader = experts.load_weight  # type: ignore[attr-defined]
 
-    def process_expert_weights_after_loading(self, experts: MoEExperts) -> None:
+    def process_expert_weights_after_loading(self, experts: ExpertWeights) -> None:
         """Called once per expert layer after the last checkpoint tensor (or dummy weights) is in; a method that
         keeps quantized weights sets ``experts.scales`` (:class:`~minisgl.moe.ExpertScales`) here, for a backend
         whose ``expert_dtypes`` lists the weights' dtype."""
