@@ -66,7 +66,7 @@ def test_checkpoint_matches_transformers_on_dequantized_weights(
     assert generate(tmp_path) == reference_tokens(hf_model, state)
 
 
-@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel"])
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "fp8-tensor"])
 def test_modules_left_unquantized_load_as_float(float_models: dict, tmp_path: Path, layout: str) -> None:
     source, hf_model = float_models["LlamaForCausalLM", "odd"]
     ignore = ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
@@ -293,9 +293,10 @@ def test_a_missing_expert_scale_is_refused_by_name(float_moe: Path, tmp_path: Pa
     assert threading.active_count() == threads  # no worker left running
 
 
-def test_experts_left_unquantized_load_as_float(float_moe: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["fp8-block", "fp8-tensor"])  # fp8-tensor: a scale under two names
+def test_experts_left_unquantized_load_as_float(float_moe: Path, tmp_path: Path, layout: str) -> None:
     """A checkpoint that leaves one layer's experts unquantized (modules_to_not_convert) loads them as float."""
-    state = write_fp8_checkpoint(float_moe, tmp_path / "fp8", "fp8-block", ignore=["model.layers.1.mlp.experts."])
+    state = write_fp8_checkpoint(float_moe, tmp_path / "fp8", layout, ignore=["model.layers.1.mlp.experts."])
     with LLM(str(tmp_path / "fp8"), device="cpu") as llm:
         layers = llm.engine.model.model.layers
         assert layers[1].mlp.experts.quant.name == "none" and layers[0].mlp.experts.quant.name == "fp8"

@@ -74,7 +74,7 @@ class LinearBase(nn.Module):
     def use_quant(self, quant: QuantMethod) -> None:
         """Re-create this layer's weight with ``quant`` (at build time, before loading)."""
         device = self.weight.device
-        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
+        for name in [n for n in self._parameters if n != "bias"]:  # every name: a scale may have two
             delattr(self, name)  # the previous method's weight and scales
         self._build(quant, device)
 

@@ -82,7 +82,7 @@ class MoEExperts(nn.Module):
     def use_quant(self, quant: QuantMethod) -> None:
         """Re-create the expert weights with ``quant`` (at build time, before loading)."""
         device = self.w13_weight.device
-        for name in [n for n, _ in self.named_parameters(recurse=False)]:
+        for name in list(self._parameters):  # every name: a scale may be registered under two
             delattr(self, name)  # the previous method's weights and scales
         self.scales = None
         self._build(quant, device)
