@@ -328,9 +328,12 @@ class FP8Method(QuantMethod):
     def _expert_weight(self, experts: MoEExperts, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(FP8 weight, scale [experts, rows, k_blocks])`` of ``w13`` or ``w2``, quantized here if online."""
         weight = getattr(experts, f"{prefix}_weight").data
-        if self.scheme.layout == "online":
-            q, scale = quantize_rows(weight.flatten(0, 1))
-            return q.view(weight.shape), scale.view(weight.shape[0], weight.shape[1], 1)
+        if self.scheme.layout == "online":  # one expert at a time, as de-quantizing does
+            q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+            scale = torch.empty(weight.shape[0], weight.shape[1], 1, device=weight.device)
+            for e in range(weight.shape[0]):
+                q[e], scale[e, :, 0] = quantize_rows(weight[e])
+            return q, scale
         scale = getattr(experts, f"{prefix}_{self.scale_name}").data
         if torch.isnan(scale).any():
             missing = torch.isnan(scale).flatten(1).any(dim=1).nonzero().flatten().tolist()
