@@ -27,6 +27,7 @@ once after loading into the model's dtype.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from functools import partial
@@ -57,6 +58,7 @@ W8A8_TILES: tuple[tuple[tuple[int, int, int, int, int], int, int], ...] = (
     ((64, 256, 128, 8, 4), 128, 1 << 30),
     ((128, 256, 128, 8, 3), 512, 1 << 30),
 )
+logger = logging.getLogger(__name__)
 #: Weight-only FP8 is tried up to this many tokens (beyond, the matmul is no longer bound by the weight's bytes).
 WEIGHT_ONLY_MAX_TOKENS = 64
 
@@ -91,6 +93,7 @@ class FP8Method(QuantMethod):
         self.tune = tune and not self._paths
         self.tuner = tuner or GemmTuner()  # this engine's measurements (one table per layer shape)
         self._one: torch.Tensor | None = None
+        self._said_experts = False  # the experts' treatment is logged once per engine
 
     def __repr__(self) -> str:
         return f"FP8Method({self.scheme.layout}, {self.scheme.weight})"
@@ -309,6 +312,13 @@ class FP8Method(QuantMethod):
                     delattr(experts, f"{p}_{name}")
         runs_fp8 = FP8 in experts.backend.expert_dtypes  # else de-quantized once, for any backend
         dtype = experts.dtype or self.dtype
+        if not self._said_experts:
+            self._said_experts = True
+            backend = type(experts.backend).__name__
+            if runs_fp8:
+                logger.info("fp8: MoE experts stay in FP8 (%s runs them)", backend)
+            else:
+                logger.info("fp8: MoE experts de-quantized to %s at load (%s takes no FP8 experts)", dtype, backend)
         for p, (weight, scale) in found.items():
             if runs_fp8:
                 setattr(experts, f"{p}_weight", nn.Parameter(weight, requires_grad=False))
