@@ -73,6 +73,10 @@ def fp8_experts(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch
     return q.contiguous(), scale, dq
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="Triton converts float8 e4m3 on compute capability 8.9+",
+)
 @pytest.mark.parametrize("block", [128, None], ids=["block128", "per-row"])
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_fused_fp8_experts_match_torch_on_dequantized_weights(tokens: int, block: int | None) -> None:

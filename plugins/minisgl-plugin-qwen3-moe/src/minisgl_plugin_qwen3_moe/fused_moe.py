@@ -383,13 +383,16 @@ class FusedMoEBackend(BaseMoEBackend):
     """Triton fused MoE (CUDA). ``config`` pins the tiles (benchmarks); by default they follow the batch size."""
 
     supports_cuda_graph = True
-    expert_dtypes = (torch.float8_e4m3fn,)  # FP8 experts (minisgl-plugin-fp8), de-quantized tile by tile
 
     def __init__(self, config: MoEConfig | None = None, align_method: str = "auto"):
         if align_method not in ("auto", "triton", "torch"):
             raise ValueError(f"align_method must be 'auto', 'triton' or 'torch', got {align_method!r}")
         self.config = config
         self.align_method = align_method
+        # FP8 experts (minisgl-plugin-fp8), de-quantized tile by tile: Triton converts float8 e4m3 on compute
+        # capability 8.9+ (Ada, Hopper); on older GPUs the method de-quantizes the experts at load instead.
+        fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        self.expert_dtypes = (torch.float8_e4m3fn,) if fp8 else ()
 
     def forward(
         self,
