@@ -38,7 +38,9 @@ class FakeScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.compiling)
+        # An outcome not yet taken is work, as in the real scheduler, where a finished compile stays in its
+        # compiles until the step collects it (else the loop could go idle between ready() and its next check).
+        return bool(self.compiling or self.outcomes)
 
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: int) -> FakeReq:
         self.add_gate.wait(10)
