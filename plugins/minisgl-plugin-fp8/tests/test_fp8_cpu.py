@@ -79,16 +79,23 @@ def test_modules_left_unquantized_load_as_float(float_models: dict, tmp_path: Pa
     assert [o.token_ids for o in outs] == reference_tokens(hf_model, state)
 
 
-def test_quantization_fp8_on_a_float_checkpoint(float_models: dict) -> None:
-    """Per-channel weights computed at load: the tokens of transformers on those rounded weights."""
-    source, hf_model = float_models["Qwen3ForCausalLM", "odd"]
+def rounded_per_row(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What ``--quantization fp8`` makes of a float state dict: every ``*_proj`` weight (experts' too)
+    quantized per row and de-quantized (float32), the rest as is."""
     state = {}
-    for name, tensor in hf_model.state_dict().items():  # type: ignore[attr-defined]
+    for name, tensor in tensors.items():
         module = name.removesuffix(".weight").rsplit(".", 1)[-1]
         if name.endswith(".weight") and module.endswith("_proj"):
             q, scale = quantize_rows(tensor)
             tensor = dequantize(q, scale, None, torch.float32)
         state[name] = tensor
+    return state
+
+
+def test_quantization_fp8_on_a_float_checkpoint(float_models: dict) -> None:
+    """Per-channel weights computed at load: the tokens of transformers on those rounded weights."""
+    source, hf_model = float_models["Qwen3ForCausalLM", "odd"]
+    state = rounded_per_row(hf_model.state_dict())  # type: ignore[attr-defined]
     with LLM(str(source), device="cpu", quantization="fp8") as llm:
         assert llm.engine.quant.name == "fp8"
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
@@ -258,13 +265,7 @@ def test_quantization_fp8_on_a_float_moe_checkpoint(float_moe: Path, tmp_path: P
     """``--quantization fp8`` quantizes every linear layer and every expert matrix per row at load."""
     from safetensors.torch import load_file
 
-    state = {}
-    for name, tensor in load_file(str(float_moe / "model.safetensors")).items():
-        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-        if name.endswith(".weight") and module.endswith("_proj"):
-            q, scale = quantize_rows(tensor)
-            tensor = dequantize(q, scale, None, torch.float32)
-        state[name] = tensor
+    state = rounded_per_row(load_file(str(float_moe / "model.safetensors")))
     with LLM(str(float_moe), device="cpu", quantization="fp8") as llm:
         assert llm.engine.model.model.layers[1].mlp.experts.quant.name == "fp8"
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))

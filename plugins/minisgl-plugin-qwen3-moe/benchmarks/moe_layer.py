@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from minisgl_plugin_qwen3_moe.fp8 import quantize_experts
 from minisgl_plugin_qwen3_moe.fused_moe import FusedMoEBackend, GemmConfig, MoEConfig, default_config
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -72,18 +73,6 @@ def graph_us(fn: Any) -> float:
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def fp8_experts(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[E, R, K]`` as (float8, scales ``[E, R, k_blocks]``, de-quantized in ``w``'s dtype), per row and ``block``
-    input columns (``block`` None: per row)."""
-    e, r, k = w.shape
-    width = block or k
-    kb = -(-k // width)
-    padded = torch.nn.functional.pad(w.float(), (0, kb * width - k)).view(e, r, kb, width)
-    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / 448.0
-    q = (padded / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(e, r, kb * width)[..., :k]
-    return q.contiguous(), scale, (q.float() * scale.repeat_interleave(width, dim=-1)[..., :k]).to(w.dtype)
 
 
 def bench_fp8(
@@ -240,8 +229,8 @@ def main() -> None:
     fp8 = None
     if args.fp8 != "none":  # every row then runs the de-quantized weights, so bf16 and FP8 compute the same
         block = 128 if args.fp8 == "block" else None
-        q13, s13, w13 = fp8_experts(w13, block)
-        q2, s2, w2 = fp8_experts(w2, block)
+        q13, s13, w13 = quantize_experts(w13, block)
+        q2, s2, w2 = quantize_experts(w2, block)
         fp8 = (q13, q2, ExpertScales(s13, s2, block))
     result: dict[str, Any] = {
         "machine": f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "

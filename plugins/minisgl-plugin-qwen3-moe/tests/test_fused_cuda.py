@@ -60,19 +60,6 @@ def test_fused_matches_torch_qwen3_30b_shapes(tokens: int) -> None:
     assert err < 1e-2
 
 
-def fp8_experts(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[E, R, K]`` weights as (float8, scales ``[E, R, k_blocks]``, the de-quantized weights in ``w``'s dtype):
-    per row (``block`` None) or per row and ``block`` columns, as minisgl-plugin-fp8 keeps them."""
-    e, r, k = w.shape
-    width = block or k
-    kb = -(-k // width)
-    padded = torch.nn.functional.pad(w.float(), (0, kb * width - k)).view(e, r, kb, width)
-    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / 448.0
-    q = (padded / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(e, r, kb * width)[..., :k]
-    dq = (q.float() * scale.repeat_interleave(width, dim=-1)[..., :k]).to(w.dtype)
-    return q.contiguous(), scale, dq
-
-
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="Triton converts float8 e4m3 on compute capability 8.9+",
@@ -82,13 +69,14 @@ def fp8_experts(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch
 def test_fused_fp8_experts_match_torch_on_dequantized_weights(tokens: int, block: int | None) -> None:
     """FP8 experts (Qwen3-30B-A3B shapes), de-quantized tile by tile, against the torch backend on the same
     weights de-quantized to bf16 up front: the same bf16 products, so the bf16 bound."""
+    from minisgl_plugin_qwen3_moe.fp8 import quantize_experts
     from minisgl_plugin_qwen3_moe.fused_moe import FusedMoEBackend
 
     from minisgl.moe import ExpertScales
 
     x, w13, w2, weights, ids = random_layer(tokens, 128, 8, 2048, 768, torch.bfloat16, seed=tokens + 7)
-    q13, s13, d13 = fp8_experts(w13, block)
-    q2, s2, d2 = fp8_experts(w2, block)
+    q13, s13, d13 = quantize_experts(w13, block)
+    q2, s2, d2 = quantize_experts(w2, block)
     ref = TorchMoEBackend().forward(x, d13, d2, weights, ids)
     backend = FusedMoEBackend()
     assert torch.float8_e4m3fn in backend.expert_dtypes

@@ -72,19 +72,8 @@ INTERPRETER_CHECK = textwrap.dedent(
     import torch
     from minisgl.moe import ExpertScales, TorchMoEBackend, route
     from minisgl_plugin_qwen3_moe.align import align_torch
+    from minisgl_plugin_qwen3_moe.fp8 import quantize_experts
     from minisgl_plugin_qwen3_moe.fused_moe import align, fused_moe
-
-    def fp8(w, block):  # [E, R, K] -> (float8 weights, float32 scales [E, R, k_blocks]), rows sharing a scale
-        e, r, k = w.shape
-        width = block or k
-        kb = -(-k // width)
-        padded = torch.nn.functional.pad(w, (0, kb * width - k)).view(e, r, kb, width)
-        scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / 448.0
-        q = (padded / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(e, r, kb * width)[..., :k]
-        return q.contiguous(), scale
-
-    def dequant(q, scale, block):
-        return q.float() * scale.repeat_interleave(block or q.shape[-1], dim=-1)[..., : q.shape[-1]]
 
     torch.manual_seed(0)
     # (tokens, experts, top_k, hidden, inter): K not a multiple of the K tile, N below the N tile, idle experts.
@@ -107,9 +96,9 @@ INTERPRETER_CHECK = textwrap.dedent(
             assert err < 1e-5, (tokens, experts, top_k, method, err)
         # FP8 experts: per-row scales (None), blocks of 32 and 64 columns (partial last blocks; 64: two K tiles).
         for block in (None, 32, 64):
-            q13, s13 = fp8(w13, block)
-            q2, s2 = fp8(w2, block)
-            ref = TorchMoEBackend().forward(x, dequant(q13, s13, block), dequant(q2, s2, block), weights, ids)
+            q13, s13, d13 = quantize_experts(w13, block)
+            q2, s2, d2 = quantize_experts(w2, block)
+            ref = TorchMoEBackend().forward(x, d13, d2, weights, ids)
             out = fused_moe(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2, block))
             err = (out - ref).abs().max().item()
             assert err < 1e-5, (tokens, experts, top_k, block, err)
