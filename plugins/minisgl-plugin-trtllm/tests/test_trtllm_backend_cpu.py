@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from greedy_agreement import FP8_LOGPROB_P90_NATS, FP8_TIE_NATS, check_divergences, check_logprobs
 from minisgl_plugin_trtllm import backend as backend_mod
 from minisgl_plugin_trtllm.backend import TrtllmAttnBackend, TrtllmKernels, TrtllmMetadata, build_trtllm_gen, build_xqa
 from trtllm_emulation import EmulatedKernels
@@ -339,3 +340,87 @@ def test_engine_over_an_fp8_cache_equals_the_torch_backend(tiny_model: Path) -> 
             calls[attn] = _kernel_calls(llm.engine.attn)
     assert calls["emu-xqa"].keys() == calls["torch,emu-xqa"].keys() == {"xqa"}
     assert outputs["emu-xqa"] == outputs["torch"] and outputs["torch,emu-xqa"] == outputs["torch"]
+
+
+# ------------------------------------------------------------------ the GPU test's FP8 agreement check
+# test_trtllm_gpu.py's greedy test over an FP8 cache, on a model of the same shape and the same prompts.
+# There XQA rounds the query and the probabilities to e4m3, which the torch reference does not; here the
+# emulated kernels round them too, and the check must let that pass and stop a decode with a fault.
+FP8_CHECK_SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}
+FP8_CHECK_PROMPTS = [5, 17, 300, 64, 9, 128, 33, 250, 1, 700, 48, 90]
+
+
+class FaultyKernels(EmulatedKernels):
+    """XQA's FP8 rounding, and optionally a fault in the decode call: ``softmax-scale`` (scores 10 % too
+    large), ``newest-key`` (one token short: the step's own K/V unread) or ``v-scale`` (output 1.5x)."""
+
+    def __init__(self, fault: str | None) -> None:
+        super().__init__(fp8_rounding=True)
+        self.fault = fault
+
+    def trtllm_batch_decode_with_kv_cache(  # type: ignore[override]
+        self, query: torch.Tensor, kv_cache: Any, workspace_buffer: torch.Tensor, block_tables: torch.Tensor,
+        seq_lens: torch.Tensor, max_seq_len: int, bmm1_scale: Any = 1.0, bmm2_scale: Any = 1.0, **kw: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        if self.fault == "softmax-scale":
+            bmm1_scale = float(bmm1_scale) * 1.1
+        elif self.fault == "newest-key":
+            seq_lens = (seq_lens - 1).clamp(min=1)
+        elif self.fault == "v-scale":
+            bmm2_scale = float(bmm2_scale) * 1.5
+        return super().trtllm_batch_decode_with_kv_cache(
+            query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, **kw
+        )
+
+
+class FaultyPlugin:
+    def __init__(self, fault: str | None) -> None:
+        self.fault = fault
+
+    @hookimpl
+    def minisgl_models(self) -> list[ModelSpec]:
+        return [ModelSpec(name="LlamaForCausalLM", factory=CoreBlocksLM)]
+
+    @hookimpl
+    def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
+        return [
+            AttentionBackendSpec(
+                name="emu-xqa", factory=emulated("xqa", False, FaultyKernels(self.fault)), kv_cache_dtypes=("fp8_e4m3",)
+            )
+        ]
+
+
+def _fp8_greedy(path: Path, attn: str, fault: str | None) -> tuple[list[list[int]], list]:
+    reg = load_plugins(only=["builtin", "emu"], extra=[PluginSource("emu", FaultyPlugin(fault))], environ={})
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    with LLM(str(path), registry=reg, dtype="bfloat16", attention_backend=attn, page_size=16, max_running_requests=16,
+             chunked_prefill_size=256, kv_cache_dtype="fp8_e4m3") as llm:  # fmt: skip
+        outs = llm.generate(random_prompts(FP8_CHECK_PROMPTS, 512, seed=11), params, use_tqdm=False)
+        llm.check_accounting()
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list]:
+    path = tmp_path_factory.mktemp("fp8-check")
+    save_tiny_model("LlamaForCausalLM", path, max_position_embeddings=2048, **FP8_CHECK_SHAPE)
+    return (path, *_fp8_greedy(path, "torch", None))
+
+
+@pytest.mark.parametrize("fault", [None, "softmax-scale", "newest-key", "v-scale"])
+def test_the_fp8_greedy_check_passes_xqa_rounding_and_stops_faults(
+    fp8_reference: tuple[Path, list[list[int]], list], fault: str | None
+) -> None:
+    path, want, ref_logprobs = fp8_reference
+    tokens, logprobs = _fp8_greedy(path, "emu-xqa", fault)
+
+    def check() -> None:
+        check_divergences(tokens, want, ref_logprobs, "emu-xqa", FP8_TIE_NATS)
+        check_logprobs(tokens, logprobs, want, ref_logprobs, "emu-xqa", FP8_LOGPROB_P90_NATS)
+
+    if fault is None:
+        assert tokens != want  # the rounding flips near-ties: what the check has to tolerate
+        check()
+    else:
+        with pytest.raises(AssertionError):
+            check()

@@ -9,6 +9,10 @@ its maximum length from the table's width). The attention itself is plain causal
 attention of each request's new tokens over its whole KV, the new tokens last:
 ``bmm1_scale`` scales the scores and ``bmm2_scale`` the output, over the cache's
 raw values (for an FP8 cache, its stored ``k / k_scale`` and ``v / v_scale``).
+
+``EmulatedKernels(fp8_rounding=True)`` also rounds as XQA's FP8 tensor-core path does over an FP8
+cache: the query and the unnormalised probabilities become e4m3 before their products (the sum that
+normalises stays float32). The products themselves accumulate in float32 either way.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ def _attend(
     seq_lens: list[int],
     q_lens: list[int],
     scale: float,
+    fp8_rounding: bool = False,
 ) -> torch.Tensor:
     ps, hkv, d = k_cache.shape[1:]
+    e4m3 = torch.float8_e4m3fn
     hq = query.shape[1]
     out = torch.empty_like(query)
     start = 0
@@ -42,11 +48,17 @@ def _attend(
         k = k_cache[pages].reshape(-1, hkv, d)[:kv_len].float().repeat_interleave(hq // hkv, dim=1)
         v = v_cache[pages].reshape(-1, hkv, d)[:kv_len].float().repeat_interleave(hq // hkv, dim=1)
         q = query[start : start + q_len].float()
+        if fp8_rounding:
+            q = q.to(e4m3).float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         pos = torch.arange(kv_len - q_len, kv_len, device=query.device).view(-1, 1)
         allowed = torch.arange(kv_len, device=query.device).view(1, -1) <= pos
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        total = weights.sum(dim=-1, keepdim=True)
+        if fp8_rounding:
+            weights = weights.to(e4m3).float()
+        out[start : start + q_len] = (torch.einsum("hqk,khd->qhd", weights, v) / total.permute(1, 0, 2)).to(query.dtype)
         start += q_len
     return out
 
@@ -54,8 +66,9 @@ def _attend(
 class EmulatedKernels:
     """``decode`` and ``context`` with FlashInfer's signatures; ``calls`` counts calls per kernel family."""
 
-    def __init__(self) -> None:
+    def __init__(self, fp8_rounding: bool = False) -> None:
         self.calls: dict[str, int] = {}
+        self.fp8_rounding = fp8_rounding
 
     def trtllm_batch_decode_with_kv_cache(
         self,
@@ -93,7 +106,8 @@ class EmulatedKernels:
         else:
             assert max_seq_len >= max(lens)
         self.calls[backend] = self.calls.get(backend, 0) + 1
-        out = _attend(query, k_cache, v_cache, block_tables, lens, [1] * batch, float(bmm1_scale))
+        fp8 = self.fp8_rounding and k_cache.dtype == torch.float8_e4m3fn
+        out = _attend(query, k_cache, v_cache, block_tables, lens, [1] * batch, float(bmm1_scale), fp8)
         return out * float(bmm2_scale)
 
     def trtllm_batch_context_with_kv_cache(
