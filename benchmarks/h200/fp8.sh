@@ -15,7 +15,9 @@ CONFIGS=benchmarks/minisgl-bench/src/minisgl_bench/configs
 B="python3 -m minisgl bench offline --output $OUT"
 VARIANTS=${VARIANTS:-bf16 fp8 fp8kv}
 prebuild_variants $VARIANTS
-peer_step=200  # the peer's first run compiles FlashInfer's kernels and captures its graphs
+# The peer's first run compiles FlashInfer's kernels (its graph capture at batch 256 took 127 s on a fresh
+# machine, 2026-12-04, and its prefill compiles after that): 200 s was not enough for Qwen3-8B.
+peer_step=${PEER_FIRST_STEP:-300}
 for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
   mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
   for variant in $VARIANTS; do
