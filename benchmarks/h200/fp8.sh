@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent H200: the protocol's offline workload at the sizes users serve (Qwen3-8B and Llama-3.1-8B
-# shapes, dummy weights) in bf16, FP8 weights (--quantization fp8), FP8 weights + FP8 KV (--kv-cache-dtype
-# fp8_e4m3) and FP8 weights + FP8 KV decoded by XQA (--attn flashinfer,trtllm-xqa), against Mini-SGLang bf16 on
-# the same shapes, then Qwen3-0.6B bf16 for both. SHAPES (default "qwen3-8b llama-3.1-8b") and VARIANTS (default
-# "bf16 fp8 fp8kv"; add fp8kv-xqa) pick what runs; SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer
-# (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the commit. Results in $OUT (the peer prints one JSON
-# line per run, kept in log.txt). Each step is given its limit; the call's LIMIT skips what no longer fits.
+# shapes, dummy weights) in bf16, FP8 weights (--quantization fp8) and FP8 weights + FP8 KV (--kv-cache-dtype
+# fp8_e4m3, which --attn auto decodes with XQA where the trtllm plugin runs), against Mini-SGLang bf16 on the same
+# shapes, then Qwen3-0.6B bf16 for both. SHAPES (default "qwen3-8b llama-3.1-8b") and VARIANTS (default "bf16 fp8
+# fp8kv"; also fp8kv-flashinfer, FlashInfer decoding the FP8 cache, and fp8kv-xqa, the pair named) pick what runs;
+# SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the
+# commit. Results in $OUT (the peer prints one JSON line per run, kept in log.txt). Each step is given its limit;
+# the call's LIMIT skips what no longer fits.
 set -uo pipefail
 export LIMIT=${LIMIT:-570}
 source benchmarks/h200/setup.sh

@@ -2,8 +2,8 @@
 # One call on a lent H200: the protocol's online workload (256 streamed chat requests, 16 to warm up) at an 8B shape
 # with dummy weights, `minisgl serve` in bf16, with FP8 weights and with FP8 weights + FP8 KV, then Mini-SGLang's
 # server in bf16 (issue: FP8 and 8B speed). SHAPE (default qwen3-8b; llama-3.1-8b), RATES (default "inf 16 8"),
-# REPEAT (default 1), VARIANTS (default "bf16 fp8 fp8kv"; also fp8kv-xqa, XQA decoding the FP8 cache) and PEER=0
-# (leave the peer out) vary it;
+# REPEAT (default 1), VARIANTS (default "bf16 fp8 fp8kv"; fp8kv decodes with XQA under --attn auto,
+# fp8kv-flashinfer with FlashInfer, fp8kv-xqa names the pair) and PEER=0 (leave the peer out) vary it;
 # each minisgl variant gets MINISGL_STEP seconds (default 150), the peer PEER_STEP (default 300: its first start
 # builds FlashInfer's kernels). Carry .whl and .peer; MINISGL_COMMIT names the commit. Ends every server a previous
 # call left first. All of it does not fit one call: run VARIANTS="bf16 fp8 fp8kv" PEER=0, then VARIANTS=bf16 (the

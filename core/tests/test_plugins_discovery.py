@@ -183,6 +183,7 @@ def test_listing_json(dists: dict[str, Path]) -> None:
         "plugin": "good",
         "distribution": "minisgl-plugin-good",
         "kv_cache_dtypes": [],
+        "decode_kv_cache_dtypes": [],
     }
     assert data["conflicts"] == []
     # The broken plugin's warning names it and its cause, on stderr and in the JSON.

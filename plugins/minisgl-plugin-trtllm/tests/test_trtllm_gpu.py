@@ -354,14 +354,14 @@ def test_greedy_decoding_agrees_with_torch(
     assert same >= len(want) // 2, f"{attn}: only {same} of {len(want)} sequences equal the reference"
 
 
-@pytest.mark.parametrize("attn", ["flashinfer,trtllm-xqa", "trtllm-xqa"])
+@pytest.mark.parametrize("attn", ["flashinfer,trtllm-xqa", "trtllm-xqa", "auto"])
 @marks(*XQA)
 def test_greedy_decoding_over_an_fp8_cache_agrees_with_torch(model_dir: Path, attn: str) -> None:
     """``--kv-cache-dtype fp8_e4m3``: XQA's FP8 decode under CUDA graphs and overlap against the torch backend
-    over the same FP8 cache."""
+    over the same FP8 cache; ``--attn auto`` prefills with FlashInfer and decodes with XQA."""
     if "Llama" in model_dir.name:
         pytest.skip("one model is enough (each KV dtype is another XQA build)")
-    if attn.startswith("flashinfer") and importlib.util.find_spec("minisgl_plugin_flashinfer") is None:
+    if attn != "trtllm-xqa" and importlib.util.find_spec("minisgl_plugin_flashinfer") is None:
         pytest.skip("the flashinfer plugin is not installed")
     from minisgl_plugin_trtllm.backend import TrtllmAttnBackend
 
@@ -377,6 +377,8 @@ def test_greedy_decoding_over_an_fp8_cache_agrees_with_torch(model_dir: Path, at
         decode = attn_backend.decode if isinstance(attn_backend, HybridAttnBackend) else attn_backend
         assert isinstance(decode, TrtllmAttnBackend) and decode.ctx.kv_pool.layout.dtype == torch.float8_e4m3fn
         assert llm.engine.graphs is not None and llm.scheduler.overlap
+        if attn == "auto":
+            assert [spec.name for spec in llm.engine.attn_specs] == ["flashinfer", "trtllm-xqa"]
         llm.close()
         runs.append((tokens, scores))
     (tokens, _), (scored, logprobs) = runs

@@ -124,6 +124,10 @@ def test_listing_with_a_device_shows_why(gpus: list[tuple[int, int]]) -> None:
     rows = {r["name"]: r for r in to_json(reg, device="cuda")["components"]["attention"]}
     assert rows["trtllm"]["supported"] is False and "GPU is 9.0" in rows["trtllm"]["unsupported_reason"]
     assert rows["trtllm-xqa"]["supported"] is True
+    assert (
+        rows["trtllm-xqa"]["decode_kv_cache_dtypes"] == ["fp8_e4m3"] and rows["trtllm"]["decode_kv_cache_dtypes"] == []
+    )
+    assert "trtllm-xqa (alias xqa; KV cache fp8_e4m3; auto decodes fp8_e4m3 with it)" in table
 
 
 def test_serve_preflight_rejects_trtllm_on_hopper_before_any_worker(
@@ -147,3 +151,5 @@ def test_only_xqa_declares_an_fp8_kv_cache() -> None:
     xqa, gen = reg.get("attention", "trtllm-xqa"), reg.get("attention", "trtllm")
     assert xqa.kv_cache_dtypes == ("fp8_e4m3",) and xqa.reads_kv_cache("fp8_e4m3") and xqa.reads_kv_cache("auto")
     assert gen.kv_cache_dtypes == () and not gen.reads_kv_cache("fp8_e4m3") and gen.reads_kv_cache("auto")
+    # and '--attn auto' decodes an FP8 cache with XQA (the best-ranked backend prefills).
+    assert xqa.decode_kv_cache_dtypes == ("fp8_e4m3",) and gen.decode_kv_cache_dtypes == ()

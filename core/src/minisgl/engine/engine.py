@@ -253,9 +253,32 @@ class Engine:
         limits = (cfg.max_running_requests, table.shape[1])  # batch size, sequence length
         ctx = AttentionContext(*self._heads(), cfg.page_size, self.kv_pool, table, *limits, self.dtype, self.device)
         backends = [self._build_attention_backend(i, ctx) for i in range(len(self.attn_specs))]
+        if self._attn_names == ["auto"] and (decode := self._build_auto_decode(ctx)) is not None:
+            backends.append(decode)
         if len(backends) == 1 or self.attn_specs[0].name == self.attn_specs[1].name:
             return backends[0]
         return HybridAttnBackend(backends[0], backends[1])
+
+    def _build_auto_decode(self, ctx: AttentionContext) -> BaseAttnBackend | None:
+        """``--attn auto``: the best-ranked backend that asks to decode this KV cache dtype
+        (``AttentionBackendSpec.decode_kv_cache_dtypes``) decodes, unless it is the one that prefills; where
+        none does, or none can run this model (``ValueError``), the prefill backend decodes too."""
+        kv, prefill = self.config.kv_cache_dtype, self.attn_specs[0]
+        for spec in self.registry.ranked("attention", self.device.type):
+            if not isinstance(spec, AttentionBackendSpec) or kv not in spec.decode_kv_cache_dtypes:
+                continue
+            if spec.name == prefill.name:
+                return None
+            try:
+                backend = spec.build(ctx)
+            except ValueError as exc:
+                logger.info("attention 'auto': %s cannot decode this model (%s)", spec.name, exc)
+                continue
+            logger.info("attention 'auto': %s prefills, %s decodes the %s KV cache", prefill.name, spec.name, kv)
+            self.attn_specs.append(spec)
+            self._attn_names.append("auto")
+            return backend  # type: ignore[no-any-return]
+        return None
 
     def _build_attention_backend(self, i: int, ctx: AttentionContext) -> BaseAttnBackend:
         """Build the ``i``-th configured backend. Under ``auto``, a backend that rejects this

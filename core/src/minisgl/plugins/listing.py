@@ -30,6 +30,7 @@ def to_json(
             row |= {"plugin": plugin.name, "distribution": plugin.distribution}
             if isinstance(spec, AttentionBackendSpec):
                 row["kv_cache_dtypes"] = list(spec.kv_cache_dtypes)  # quantized KV caches it reads too
+                row["decode_kv_cache_dtypes"] = list(spec.decode_kv_cache_dtypes)  # ... and 'auto' decodes with it
             if isinstance(spec, QuantizationSpec):
                 row |= {"quant_methods": list(spec.quant_methods), "devices": list(spec.devices)}
                 row |= {"dtypes": list(spec.dtypes)}
@@ -56,6 +57,8 @@ def render_table(registry: PluginRegistry, device: str | None = None) -> str:
                 notes = [f"alias{'es' if len(a) > 1 else ''} {', '.join(a)}"] if a else []
                 if isinstance(spec, AttentionBackendSpec) and spec.kv_cache_dtypes:
                     notes.append(f"KV cache {', '.join(spec.kv_cache_dtypes)}")
+                if isinstance(spec, AttentionBackendSpec) and spec.decode_kv_cache_dtypes:
+                    notes.append(f"auto decodes {', '.join(spec.decode_kv_cache_dtypes)} with it")
                 shown.append(f"{spec.name} ({'; '.join(notes)})" if notes else spec.name)
                 if device and (why := spec.unsupported_reason(device)) is not None:
                     unsupported.append(f"{kind} {spec.name}: unsupported on {device}" + (f": {why}" if why else ""))

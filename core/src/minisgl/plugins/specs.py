@@ -139,16 +139,25 @@ class AttentionBackendSpec(ComponentSpec):
     """Built as ``factory(ctx: AttentionContext)`` -> ``BaseAttnBackend`` (``--attn NAME``). Every backend reads
     a KV cache in the model dtype; ``kv_cache_dtypes`` names the quantized ones it reads too (``"fp8_e4m3"``:
     the pool's float8 values times the layer's ``KVLayout.kv_scales``), so a ``--kv-cache-dtype`` it does not
-    read is refused at start-up."""
+    read is refused at start-up. ``decode_kv_cache_dtypes``: those of them over which ``--attn auto`` should
+    decode with it even where another backend ranks first (that one then prefills)."""
 
     kind, noun, hook = "attention", "attention backend", "minisgl_attention_backends"
     kv_cache_dtypes: tuple[str, ...] = ()
+    # KV cache dtypes (of kv_cache_dtypes) this backend decodes faster than the backends ranked above it: under
+    # ``--attn auto`` the best-ranked backend prefills and the best-ranked one listing the dtype here decodes.
+    decode_kv_cache_dtypes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.kv_cache_dtypes, tuple) or not all(isinstance(n, str) for n in self.kv_cache_dtypes):
-            raise TypeError(
-                f"AttentionBackendSpec.kv_cache_dtypes must be a tuple of strings, got {self.kv_cache_dtypes!r}"
+        for attr in ("kv_cache_dtypes", "decode_kv_cache_dtypes"):
+            value = getattr(self, attr)
+            if not isinstance(value, tuple) or not all(isinstance(n, str) for n in value):
+                raise TypeError(f"AttentionBackendSpec.{attr} must be a tuple of strings, got {value!r}")
+        if unread := [n for n in self.decode_kv_cache_dtypes if n not in self.kv_cache_dtypes]:
+            raise ValueError(
+                f"{self.label}: decode_kv_cache_dtypes names {', '.join(unread)}, which kv_cache_dtypes does not "
+                "(a backend decodes only a cache it reads)"
             )
 
     def reads_kv_cache(self, kv_cache_dtype: str) -> bool:
