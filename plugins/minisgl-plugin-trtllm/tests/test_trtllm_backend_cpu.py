@@ -235,6 +235,38 @@ def test_xqa_factory_rejects_shapes_it_cannot_run(overrides: dict[str, Any], mes
         build_xqa(_cuda_ctx(**overrides))
 
 
+def test_xqa_factory_builds_its_module_and_turns_a_failed_build_into_a_value_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The module is built by the factory (a failure there lets ``--attn auto`` move on) with the arguments
+    FlashInfer's own call uses."""
+    import sys
+    import types
+
+    built: list[tuple[Any, ...]] = []
+
+    def get_xqa_module(*args: Any) -> None:
+        built.append(args)
+        if len(built) > 1:
+            raise RuntimeError("Ninja build failed: nvcc not found")
+
+    emu = EmulatedKernels()
+    fake = {"flashinfer": types.ModuleType("flashinfer"), "flashinfer.xqa": types.ModuleType("flashinfer.xqa"),
+            "flashinfer.decode": types.ModuleType("flashinfer.decode")}  # fmt: skip
+    fake["flashinfer.xqa"].get_xqa_module = get_xqa_module  # type: ignore[attr-defined]
+    fake["flashinfer.decode"].trtllm_batch_decode_with_kv_cache = emu.trtllm_batch_decode_with_kv_cache  # type: ignore[attr-defined]
+    for name, module in fake.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(backend_mod.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    # The backend itself would allocate its workspace on the GPU the context names.
+    monkeypatch.setattr(backend_mod, "TrtllmAttnBackend", lambda ctx, kernels, decode: ("backend", decode))
+    ctx = _cuda_ctx(kv_dtype=torch.float8_e4m3fn)
+    assert build_xqa(ctx) == ("backend", "xqa")
+    assert built == [(torch.bfloat16, torch.float8_e4m3fn, 16, 128, 2, False, torch.bfloat16)]
+    with pytest.raises(ValueError, match=r"^trtllm-xqa backend: FlashInfer could not build its XQA module .*nvcc"):
+        build_xqa(ctx)
+
+
 def test_an_fp8_pool_passes_the_xqa_check_and_not_trtllm_gen() -> None:
     fp8 = _cuda_ctx(kv_dtype=torch.float8_e4m3fn)
     backend_mod._check_shape(fp8, "trtllm-xqa", backend_mod.XQA_PAGE_SIZES, fp8_kv=True)

@@ -324,4 +324,24 @@ def build_xqa(ctx: AttentionContext) -> TrtllmAttnBackend:
             "use --attn flashinfer"
         )
     _check_device(ctx, "trtllm-xqa", xqa_problem)
-    return TrtllmAttnBackend(ctx, flashinfer_kernels(with_context=False), decode="xqa")
+    kernels = flashinfer_kernels(with_context=False)
+    _load_xqa_module(ctx, group)
+    return TrtllmAttnBackend(ctx, kernels, decode="xqa")
+
+
+def _load_xqa_module(ctx: AttentionContext, group: int) -> None:
+    """Build XQA's module for this shape now (FlashInfer compiles it on first use, about 20 s, then caches it),
+    so that a failure is a ValueError here, where ``--attn auto`` moves on, and not at the first decode."""
+    dtype, kv_dtype = ctx.dtype, ctx.kv_pool.layout.dtype
+    try:
+        from flashinfer.xqa import get_xqa_module
+
+        # The arguments FlashInfer's own call passes: query, cache, page size, head size, group, no sliding
+        # window, output dtype (functools.cache'd, so that call finds it).
+        get_xqa_module(dtype, kv_dtype, ctx.page_size, ctx.head_dim, group, False, dtype)
+    except Exception as exc:
+        raise ValueError(
+            f"trtllm-xqa backend: FlashInfer could not build its XQA module for {dtype} queries over a {kv_dtype} "
+            f"cache, page size {ctx.page_size}, head_dim {ctx.head_dim}, {group} query heads per KV head "
+            f"({type(exc).__name__}: {exc}); FlashInfer compiles it with nvcc on first use"
+        ) from exc
