@@ -306,7 +306,11 @@ def test_factories_reject_cpu_and_check_the_gpu_generation(monkeypatch: pytest.M
 
 # ------------------------------------------------------------------ a whole engine
 class EmulatedPlugin:
-    """The test model and the backend over emulated kernels, as installed plugins would provide them."""
+    """The test model and the backend over emulated kernels, as installed plugins would provide them
+    (``xqa_kernels``: the emulation ``emu-xqa`` calls, a fresh one by default)."""
+
+    def __init__(self, xqa_kernels: EmulatedKernels | None = None) -> None:
+        self.xqa_kernels = xqa_kernels
 
     @hookimpl
     def minisgl_models(self) -> list[ModelSpec]:
@@ -317,7 +321,7 @@ class EmulatedPlugin:
         return [
             AttentionBackendSpec(name="emu-gen", factory=emulated("trtllm-gen", with_context=True)),
             AttentionBackendSpec(
-                name="emu-xqa", factory=emulated("xqa", with_context=False), kv_cache_dtypes=("fp8_e4m3",)
+                name="emu-xqa", factory=emulated("xqa", False, self.xqa_kernels), kv_cache_dtypes=("fp8_e4m3",)
             ),
         ]
 
@@ -405,25 +409,10 @@ class FaultyKernels(EmulatedKernels):
         )
 
 
-class FaultyPlugin:
-    def __init__(self, fault: str | None) -> None:
-        self.fault = fault
-
-    @hookimpl
-    def minisgl_models(self) -> list[ModelSpec]:
-        return [ModelSpec(name="LlamaForCausalLM", factory=CoreBlocksLM)]
-
-    @hookimpl
-    def minisgl_attention_backends(self) -> list[AttentionBackendSpec]:
-        return [
-            AttentionBackendSpec(
-                name="emu-xqa", factory=emulated("xqa", False, FaultyKernels(self.fault)), kv_cache_dtypes=("fp8_e4m3",)
-            )
-        ]
-
-
 def _fp8_greedy(path: Path, attn: str, fault: str | None) -> tuple[list[list[int]], list]:
-    reg = load_plugins(only=["builtin", "emu"], extra=[PluginSource("emu", FaultyPlugin(fault))], environ={})
+    reg = load_plugins(
+        only=["builtin", "emu"], extra=[PluginSource("emu", EmulatedPlugin(FaultyKernels(fault)))], environ={}
+    )
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
     with LLM(str(path), registry=reg, dtype="bfloat16", attention_backend=attn, page_size=16, max_running_requests=16,
              chunked_prefill_size=256, kv_cache_dtype="fp8_e4m3") as llm:  # fmt: skip
