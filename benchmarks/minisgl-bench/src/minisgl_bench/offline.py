@@ -158,6 +158,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         "throughput_tok_s": produced / seconds,
         "startup_seconds": startup,
         "attention_backend": type(engine.attn).__name__,
+        "attention": ",".join(spec.name for spec in engine.attn_specs),  # the backends run: PREFILL,DECODE if two
         "cuda_graphs": engine.graphs is not None,
         "cuda_graph_capture_seconds": engine.graphs.capture_seconds if engine.graphs is not None else None,
         "overlap_schedule": llm.scheduler.overlap,
