@@ -42,3 +42,31 @@ def test_model_configs_ship_with_the_package() -> None:
     from minisgl_bench.offline import CONFIG_DIR
 
     assert {p.name for p in CONFIG_DIR.glob("*.json")} >= {"qwen3-0.6b.json", "qwen3-8b.json"}
+
+
+def test_step_totals_split_the_timed_run_by_step_kind_and_decode_batch(tmp_path: Path) -> None:
+    from minisgl_bench.offline import format_step_totals, step_totals
+
+    steps: list[dict[str, object]] = [
+        {"t": 5.0, "kind": "prefill", "reqs": 4, "tokens": 999, "host_ms": 9.0, "gpu_ms": 9.0},  # warm-up: left out
+        {"t": 10.0, "kind": "prefill", "reqs": 8, "tokens": 800, "host_ms": 1.0, "gpu_ms": 20.0},
+        {"t": 10.1, "kind": "mixed", "reqs": 40, "tokens": 300, "host_ms": 0.5, "gpu_ms": 6.0},
+        {"t": 10.2, "kind": "decode", "reqs": 40, "tokens": 40, "host_ms": 0.2, "gpu_ms": 3.0},
+        {"t": 10.3, "kind": "decode", "reqs": 64, "tokens": 64, "host_ms": 0.2, "gpu_ms": 5.0},
+        {"t": 10.4, "kind": "decode", "reqs": 7, "tokens": 7, "host_ms": 0.1, "gpu_ms": None},  # device time unknown
+        {"t": 30.0, "kind": "decode", "reqs": 1, "tokens": 1, "host_ms": 0.1, "gpu_ms": 1.0},  # after: left out
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(s) for s in [{"trace": "minisgl-steps", "version": 1}, *steps]) + "\n")
+    totals = step_totals(trace, 10.0, 20.0)
+    assert totals["kinds"] == {
+        "prefill": {"steps": 1, "gpu_ms": 20.0, "host_ms": 1.0, "tokens": 800},
+        "mixed": {"steps": 1, "gpu_ms": 6.0, "host_ms": 0.5, "tokens": 300},
+        "decode": {"steps": 3, "gpu_ms": 8.0, "host_ms": 0.5, "tokens": 111},
+    }
+    assert totals["decode_by_batch"] == {
+        "32": {"steps": 1, "gpu_ms": 0.0},
+        "64": {"steps": 2, "gpu_ms": 8.0},
+    }
+    table = format_step_totals(totals, 0.05)
+    assert "device busy 0.034 s (68%)" in table and "64: 2 steps 4.00 ms" in table

@@ -115,7 +115,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kernels": args.kernels,
     }
     # Passed only when given, so the defaults stay the engine's own.
-    for name in ("quantization", "kv_cache_dtype", "cuda_graph_max_tokens"):
+    for name in ("quantization", "kv_cache_dtype", "cuda_graph_max_tokens", "trace_steps"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.load_format == "dummy":
@@ -143,6 +143,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
     warm = warmup_workload(work)
     llm.generate(warm.prompts, [params(n) for n in warm.output_lens], use_tqdm=False)
     _sync(args.device)
+    timed_from = time.time()
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, [params(n) for n in work.output_lens], use_tqdm=False)
     _sync(args.device)
@@ -173,18 +174,63 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         result["profile"] = args.profile
         _profile(llm, args)
     llm.close()
+    if args.trace_steps:  # closing the engine flushed the trace
+        result["steps"] = step_totals(Path(args.trace_steps), timed_from, timed_from + seconds)
+        print(format_step_totals(result["steps"], seconds))
     return result
 
 
+def step_totals(trace: Path, since: float, until: float) -> dict[str, Any]:
+    """Where the timed generate's wall time went, from its step trace: per step kind the steps, their device and
+    host milliseconds in all, and decode's device time by running batch (buckets of 32 requests), so a run's time
+    splits into prefill, decode and the gaps where the device waited (wall - device)."""
+    from .serve_trace import read_trace
+
+    _, steps = read_trace(trace)
+    kinds: dict[str, dict[str, float]] = {}
+    buckets: dict[int, dict[str, float]] = {}
+    for step in steps:
+        if not since <= step["t"] <= until:
+            continue
+        kind = kinds.setdefault(step.get("kind", "?"), {"steps": 0, "gpu_ms": 0.0, "host_ms": 0.0, "tokens": 0})
+        gpu = step.get("gpu_ms") or 0.0
+        kind["steps"] += 1
+        kind["gpu_ms"] += gpu
+        kind["host_ms"] += step.get("host_ms") or 0.0
+        kind["tokens"] += step.get("tokens") or 0
+        if step.get("kind") == "decode":
+            b = buckets.setdefault(32 * ((int(step.get("reqs", 0)) + 31) // 32), {"steps": 0, "gpu_ms": 0.0})
+            b["steps"] += 1
+            b["gpu_ms"] += gpu
+    return {"kinds": kinds, "decode_by_batch": {str(k): buckets[k] for k in sorted(buckets)}}
+
+
+def format_step_totals(totals: dict[str, Any], seconds: float) -> str:
+    """The table :func:`step_totals` gives, as ``bench offline`` prints it."""
+    lines = [f"{'step kind':<10} {'steps':>6} {'device s':>9} {'host s':>8} {'tokens':>9}"]
+    device = 0.0
+    for kind, e in totals["kinds"].items():
+        device += e["gpu_ms"] / 1000
+        lines.append(
+            f"{kind:<10} {e['steps']:>6} {e['gpu_ms'] / 1000:>9.3f} {e['host_ms'] / 1000:>8.3f} {e['tokens']:>9}"
+        )
+    lines.append(f"wall {seconds:.3f} s, device busy {device:.3f} s ({device / seconds:.0%})")
+    buckets = totals["decode_by_batch"].items()
+    per_bucket = [f"{k}: {v['steps']} steps {v['gpu_ms'] / max(v['steps'], 1):.2f} ms" for k, v in buckets]
+    lines.append("decode by batch (<= N requests): " + ", ".join(per_bucket))
+    return "\n".join(lines)
+
+
 def _profile(llm: Any, args: argparse.Namespace) -> None:
-    """Profile 256 short requests (prefill, then ~24 decode steps at batch 256); write the top kernels/ops."""
+    """Profile 256 requests of ``--profile-prompt-len`` tokens decoding ``--profile-steps`` tokens at batch 256
+    (their prompts prefilled once before, so a prefix cache leaves mostly decode); write the top kernels/ops."""
     from torch.profiler import ProfilerActivity, profile
 
     from minisgl import SamplingParams
 
     rng = random.Random(2)
-    prompts = [[rng.randint(0, 10000) for _ in range(128)] for _ in range(256)]
-    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=24)
+    prompts = [[rng.randint(0, 10000) for _ in range(args.profile_prompt_len)] for _ in range(256)]
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.profile_steps)
     llm.generate(prompts, params, use_tqdm=False)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
@@ -301,6 +347,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-prompt-len", type=int, default=512)
     p.add_argument("--latency-steps", type=int, default=256)
     p.add_argument("--profile", default=None, help="also profile a short run; write the op table to this file")
+    p.add_argument("--profile-prompt-len", type=int, default=128, help="--profile: each of the 256 prompts' tokens")
+    p.add_argument(
+        "--profile-steps", type=int, default=24, help="--profile: decode steps (a repeated prompt reuses its prefix)"
+    )
+    p.add_argument(
+        "--trace-steps", default=None, help="write the step trace here; the record gets the timed run's step totals"
+    )
     p.add_argument("--label", default=None, help="name of this run in the JSON file name")
     p.add_argument("--output", default=".", help="directory for the JSON result (default: the current one)")
     return p
