@@ -23,7 +23,7 @@ for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
   mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
   for variant in $VARIANTS; do
     args=$(variant_args $variant) || continue
-    step 90 $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant \
+    step 90 env $(variant_env $variant) $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant \
       --trace-steps /tmp/trace-$shape-$variant.jsonl
   done
   step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape

@@ -22,7 +22,7 @@ prebuild_variants $VARIANTS
 BENCH="python3 -m minisgl bench serve --tokenizer $MODEL --rate ${RATES:-inf 16 8} --repeat ${REPEAT:-1} --warmup 16 --no-progress --keep-server-log --output $OUT"
 for variant in $VARIANTS; do
   args=$(variant_args $variant) || continue
-  step ${MINISGL_STEP:-150} $BENCH --label online-$SHAPE-$variant --base-url http://127.0.0.1:30000 --launch-timeout 120 --launch \
+  step ${MINISGL_STEP:-150} env $(variant_env $variant) $BENCH --label online-$SHAPE-$variant --base-url http://127.0.0.1:30000 --launch-timeout 120 --launch \
     "python3 -m minisgl serve --model $MODEL --load-format dummy --max-model-len 4096 --port 30000 --log-level warning $args"
 done
 if [ "${PEER:-1}" != 0 ]; then

@@ -22,7 +22,7 @@ VARIANTS=${VARIANTS:-fp8kv bf16}
 prebuild_variants $VARIANTS
 for variant in $VARIANTS; do
   args=$(variant_args $variant) || continue
-  step ${RUN_S:-120} python3 -m minisgl bench offline --model-config $C8 --output $OUT $args --label offline-$SHAPE-$variant \
+  step ${RUN_S:-120} env $(variant_env $variant) python3 -m minisgl bench offline --model-config $C8 --output $OUT $args --label offline-$SHAPE-$variant \
     --trace-steps "$OUT/$SHAPE-$variant.trace.jsonl" --profile "$OUT/profile-$SHAPE-$variant.txt" \
     --profile-prompt-len ${PROFILE_PROMPT:-512} --profile-steps ${PROFILE_STEPS:-64}
 done

@@ -27,19 +27,23 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # The engine flags of each FP8 variant the 8B scripts (fp8.sh, online_8b.sh) run: `variant_args NAME` prints them
 # (fails on an unknown name). fp8kv leaves --attn to auto, which decodes an FP8 cache with XQA where the trtllm
 # plugin runs (Hopper, Blackwell); fp8kv-flashinfer decodes it with FlashInfer, fp8kv-xqa names the pair.
-# `prebuild_variants NAMES...` compiles XQA's FP8 modules first when a variant decodes with it.
+# `prebuild_variants NAMES...` compiles XQA's FP8 modules first when a variant decodes with it. fp8-unfused and
+# fp8kv-unfused are fp8 and fp8kv with the activations quantized inside the GEMMs (`variant_env` prints
+# MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up.
 variant_args() {
   case $1 in
     bf16) echo "" ;;
-    fp8) echo "--quantization fp8" ;;
-    fp8kv) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+    fp8|fp8-unfused) echo "--quantization fp8" ;;
+    fp8kv|fp8kv-unfused) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
     fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer" ;;
     fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-    *) echo "unknown variant $1 (bf16, fp8, fp8kv, fp8kv-flashinfer, fp8kv-xqa)" | tee -a "$OUT/log.txt" >&2; return 1 ;;
+    *) echo "unknown variant $1 (bf16, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-flashinfer, fp8kv-xqa)" \
+      | tee -a "$OUT/log.txt" >&2; return 1 ;;
   esac
 }
+variant_env() { case $1 in *-unfused) echo "MINISGL_FP8_FUSE=0" ;; esac; }
 prebuild_variants() {
-  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*|*" fp8kv-unfused "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
 }
 # Mini-SGLang (carried in .peer by ../shared/bench/peer/setup.sh) with its wheels in /tmp/psite; PEER_ENV runs it.
 # Never on one path with this project: both are 'minisgl'.

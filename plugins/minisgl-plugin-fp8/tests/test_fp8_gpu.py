@@ -337,3 +337,97 @@ class TestFP8PerTensorOnCuda(cpu_kit.TestFP8PerTensor):
 
 class TestCompressedTensorsChannelOnCuda(cpu_kit.TestCompressedTensorsChannel):
     device, dtype, max_rel_err = "cuda", torch.bfloat16, 0.08
+
+
+def _same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37, 300])
+@pytest.mark.parametrize("hidden", [192, 1000, 4096])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_rmsnorm_quantization_equals_the_kernel_sets_norm_then_the_gemms_quantization(
+    rows: int, hidden: int, residual: bool
+) -> None:
+    """add_rmsnorm_quant writes the FP8 values and scales that the model's kernel set's add_rmsnorm followed by
+    the GEMMs' quant_tokens give, bit for bit (with minisgl-plugin-triton's kernel set, whose rounding it
+    reproduces), and the same residual sum."""
+    from minisgl.kernel import select_kernels
+
+    torch.manual_seed(rows + hidden)
+    ks = select_kernels(torch.device("cuda"), torch.bfloat16)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) * 2
+    r = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) if residual else None
+    w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    y, want_res = ks.add_rmsnorm(x, r, w, 1e-6)
+    want_q, want_s = kernels.quant_tokens(y)
+    got, got_res = kernels.add_rmsnorm_quant(x, r, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.scales.shape == (rows, 1)
+    assert torch.equal(got_res, want_res)
+    if ks.name == "triton":
+        assert torch.equal(got.scales, want_s) and _same_fp8(got.values, want_q)
+    else:  # another kernel set may round the norm differently: one FP8 step at most
+        torch.testing.assert_close(got.scales, want_s, rtol=1e-2, atol=0)
+        torch.testing.assert_close(got.dequantize(), (want_q.float() * want_s).to(torch.bfloat16), rtol=0.13, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 260])
+@pytest.mark.parametrize("n", [96, 1000, 12288, 14336])
+def test_fused_silu_mul_quantization_equals_the_kernel_sets_silu_mul_then_the_gemms_quantization(
+    rows: int, n: int
+) -> None:
+    from minisgl.kernel import select_kernels
+
+    torch.manual_seed(rows + n)
+    ks = select_kernels(torch.device("cuda"), torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16) * 3
+    want_q, want_s = kernels.quant_tokens(ks.silu_mul(gate_up))
+    got = kernels.silu_mul_quant(gate_up)
+    if ks.name == "triton":
+        assert torch.equal(got.scales, want_s) and _same_fp8(got.values, want_q)
+    else:
+        torch.testing.assert_close(got.scales, want_s, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("path", ["scaled_mm", "scaled_mm_fast", "tensor_epi", "w8a8"])
+def test_per_token_gemms_given_a_quantized_input_equal_themselves_given_the_activation(path: str) -> None:
+    """A per-token GEMM handed its input already quantized skips its own quantization and gives the same output
+    as from the 16-bit activation (the values being the same)."""
+    torch.manual_seed(0)
+    method = FP8Method(ONLINE, torch.bfloat16, torch.device("cuda"), paths=(path,))
+    gemm = method._gemm(path)
+    w, scale, _ = _weights(512, 384, "online")
+    x = torch.randn(9, 512, device="cuda", dtype=torch.bfloat16)
+    q, s = kernels.quant_tokens(x)
+    from minisgl.layers import QuantizedActivation
+
+    assert torch.equal(gemm(QuantizedActivation(q, s, x.dtype), w, scale, None), gemm(x, w, scale, None))
+
+
+@pytest.mark.parametrize("graphs", [0, 16])
+def test_fused_producers_leave_an_fp8_models_tokens_and_logprobs_unchanged(tmp_path, monkeypatch, graphs: int) -> None:
+    """An FP8 model whose norms and SiLU x up quantize its GEMMs' inputs decodes exactly as with the
+    quantization in the GEMMs (MINISGL_FP8_FUSE=0): the same tokens and log-probabilities, eagerly and in CUDA
+    graphs. The GEMMs are untuned (MINISGL_FP8_TUNE=0) so both engines run the same kernels."""
+    from minisgl import LLM, SamplingParams
+    from minisgl.testing.models import random_prompts, save_tiny_model
+
+    save_tiny_model("Qwen3ForCausalLM", tmp_path, hidden_size=256, intermediate_size=512, head_dim=64)
+    prompts = random_prompts([9, 21, 40, 64, 12, 30, 50], vocab_size=512, seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    monkeypatch.setenv("MINISGL_FP8_TUNE", "0")
+    outs, fused = {}, {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("MINISGL_FP8_FUSE", fuse)
+        kw = {"quantization": "fp8", "cuda_graph_max_bs": graphs}
+        with LLM(str(tmp_path), device="cuda", dtype="bfloat16", **kw) as llm:
+            layer = llm.engine.model.model.layers[0]
+            fused[fuse] = [
+                p.fused_input is not None
+                for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            ]
+            outs[fuse] = llm.generate(prompts, params)
+    assert fused == {"1": [True, True, True], "0": [False, False, False]}
+    for a, b in zip(outs["1"], outs["0"], strict=True):
+        assert a.token_ids == b.token_ids
+        assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]

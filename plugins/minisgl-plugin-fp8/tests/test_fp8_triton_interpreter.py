@@ -1,7 +1,8 @@
 """The Triton block GEMM on the CPU, through Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess):
 its tiling, masks (K and N not multiples of the tiles) and scale indexing against the float32 W8A8 reference.
 The interpreter's own float8 rounding is not the GPU's, so activations are quantized by PyTorch here and the
-fused quantization kernel is checked for its scales only; test_fp8_gpu.py covers both on a GPU."""
+fused quantization kernel is checked for its scales only, as are the RMSNorm and SiLU x up that quantize their
+output (with the error of their FP8 values); test_fp8_gpu.py covers them bit for bit on a GPU."""
 
 from __future__ import annotations
 
@@ -39,6 +40,28 @@ for group in (None, 128):
     _, s = kernels._triton_quant(x, group)
     _, ref = quantize_tokens(x) if group is None else quantize_token_groups(x, group)
     out["scales"].append(float((s - ref).abs().max()))
+out["fused"] = []
+for rows, hidden, residual in [(5, 192, True), (3, 1000, False), (1, 256, True)]:
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16) * 2
+    r = torch.randn(rows, hidden, dtype=torch.bfloat16) if residual else None
+    w = torch.rand(hidden, dtype=torch.bfloat16) + 0.5
+    got, res = kernels.add_rmsnorm_quant(x, r, w, 1e-6)
+    summed = x if r is None else (x.float() + r.float()).to(torch.bfloat16)
+    f = summed.float()
+    y = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    y = (y.float() * w.float()).to(torch.bfloat16)
+    _, ref_s = quantize_tokens(y)
+    err = float((got.dequantize().float() - y.float()).norm() / y.float().norm())
+    scale_err = float((got.scales / ref_s - 1).abs().max())
+    out["fused"].append([list(got.values.shape), scale_err, bool(torch.equal(res, summed)), err])
+for rows, n in [(4, 96), (2, 1000)]:
+    gu = torch.randn(rows, 2 * n, dtype=torch.bfloat16) * 3
+    gate, up = gu.float().chunk(2, dim=-1)
+    y = (torch.nn.functional.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16)
+    got = kernels.silu_mul_quant(gu)
+    _, ref_s = quantize_tokens(y)
+    err = float((got.dequantize().float() - y.float()).norm() / y.float().norm())
+    out["fused"].append([list(got.values.shape), float((got.scales / ref_s - 1).abs().max()), True, err])
 print(json.dumps(out))
 """
 
@@ -51,3 +74,8 @@ def test_block_gemm_in_the_triton_interpreter() -> None:
     assert [shape for shape, _ in result["gemm"]] == [[7, 320], [20, 200], [1, 64]]
     assert all(err < 0.02 for _, err in result["gemm"]), result  # bf16 output rounding is what is left
     assert result["scales"] == [0.0, 0.0]
+    # The fused RMSNorm and SiLU x up: shapes, residual sum, per-token scales (the interpreter's float32 sums
+    # may round the norm one bf16 step apart from PyTorch's) and the FP8 values' error against the 16-bit result.
+    assert [shape for shape, *_ in result["fused"]] == [[5, 192], [3, 1000], [1, 256], [4, 96], [2, 1000]]
+    for _, scale_err, residual_ok, value_err in result["fused"]:
+        assert scale_err < 1e-2 and residual_ok and value_err < 0.05, result["fused"]

@@ -13,7 +13,17 @@ from .linear import (
 )
 from .mlp import GatedMLP, activation
 from .norm import RMSNorm
-from .quant import UNQUANTIZED, ExpertWeights, LinearOp, QuantMethod, Unquantized, new_param
+from .quant import (
+    UNQUANTIZED,
+    ExpertWeights,
+    FusedInput,
+    LinearInput,
+    LinearOp,
+    QuantizedActivation,
+    QuantMethod,
+    Unquantized,
+    new_param,
+)
 from .rotary import RotaryEmbedding, rope_parameters
 
 __all__ = [
@@ -21,12 +31,15 @@ __all__ = [
     "ColumnParallelLinear",
     "ExpertWeights",
     "ForwardContext",
+    "FusedInput",
     "GatedMLP",
     "LinearBase",
+    "LinearInput",
     "LinearOp",
     "ParallelLMHead",
     "QuantMethod",
     "QKVParallelLinear",
+    "QuantizedActivation",
     "RMSNorm",
     "ReplicatedLinear",
     "RotaryEmbedding",

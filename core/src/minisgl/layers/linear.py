@@ -15,7 +15,7 @@ from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet, select_kernels
-from .quant import UNQUANTIZED, LinearOp, QuantMethod
+from .quant import UNQUANTIZED, FusedInput, LinearInput, LinearOp, QuantMethod
 
 
 def set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
@@ -82,6 +82,8 @@ class LinearBase(nn.Module):
         self.quant = quant
         quant.create_weights(self, self.dtype, device)
         self._linear = quant.make_linear(self)
+        #: How the op before this layer may quantize its input for it (None: it hands over a 16-bit tensor).
+        self.fused_input: FusedInput | None = quant.fused_input(self)
 
     def part_rows(self, shard_id: Any = None) -> int:
         """Rows of the full checkpoint tensor that loads as ``shard_id`` (a scale's loader expands to them)."""
@@ -102,7 +104,7 @@ class LinearBase(nn.Module):
         for shard_id, part in zip(parts, loaded.split(list(parts.values())), strict=True):
             self.load_weight(param, part, shard_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: LinearInput) -> torch.Tensor:
         return self._linear(x, self.weight, self.bias)
 
 
@@ -209,12 +211,13 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp.rank * param.shape[1], param.shape[1])
         default_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: LinearInput) -> torch.Tensor:
         if self.tp.size == 1:
             return self._linear(x, self.weight, self.bias)
-        y = self._all_reduce_fp32(x)
+        y = self._all_reduce_fp32(x) if isinstance(x, torch.Tensor) else None
         if y is None:
-            partial = F.linear(x, self.weight) if self.quant is UNQUANTIZED else self._linear(x, self.weight, None)
+            plain = isinstance(x, torch.Tensor) and self.quant is UNQUANTIZED
+            partial = F.linear(x, self.weight) if plain else self._linear(x, self.weight, None)  # type: ignore[arg-type]
             y = self.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 

@@ -11,7 +11,7 @@ from torch import nn
 from ..distributed import Communicator, TPInfo
 from ..kernel import KernelSet, select_kernels
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .quant import QuantMethod
+from .quant import LinearInput, QuantMethod
 
 #: The activations :class:`GatedMLP` accepts, by their transformers ``hidden_act`` names: ``silu`` (SwiGLU:
 #: Llama, Mistral, Qwen; one fused kernel-set call), ``gelu`` (exact erf GELU) and ``gelu_pytorch_tanh`` (the
@@ -59,11 +59,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], **kw)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm=comm, **kw)
         self.act = activation(act)
-        self.act_mul = kernels.silu_mul if act == "silu" else self._act_mul
+        self.is_silu = act == "silu"
+        self.act_mul = kernels.silu_mul if self.is_silu else self._act_mul
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
+    def forward(self, x: LinearInput) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        fused = self.down_proj.fused_input if self.is_silu else None  # SiLU x up quantized for down_proj
+        op = fused.silu_mul_op(gate_up.numel() // gate_up.shape[-1]) if fused is not None else None
+        return self.down_proj(op(gate_up) if op is not None else self.act_mul(gate_up))

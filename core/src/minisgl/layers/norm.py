@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..kernel import KernelSet, select_kernels
-from .linear import default_loader, set_loader
+from .linear import LinearBase, default_loader, set_loader
+from .quant import FusedInput
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +37,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         set_loader(self.weight, default_loader if offset == 0.0 else self._load_with_offset)
         self.kernels = kernels or select_kernels(device, self.weight.dtype)
+        self._fused: Callable[[], FusedInput | None] = _no_fusion
+
+    def feeds(self, layer: LinearBase) -> None:
+        """Declare that this norm's output (with a residual: :meth:`forward_with_residual`'s first result) is
+        the input of ``layer`` and of nothing else, so the layer's quantization method may quantize it here, in
+        the norm's kernel (:meth:`~minisgl.layers.QuantMethod.fused_input`). The layer's current method is asked
+        at each call, so a method given to the layer later is followed."""
+        self._fused = lambda: layer.fused_input
 
     def _load_with_offset(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_loader(param, loaded.float() + self.offset)
@@ -40,8 +52,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.rmsnorm(x, self.weight, self.eps)
 
-    def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts it."""
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts it. Where the layer this
+        norm :meth:`feeds` takes it, the first result is that layer's :class:`~minisgl.layers.QuantizedActivation`
+        instead (the same values, quantized in this kernel)."""
+        fused = self._fused()
+        op = fused.rmsnorm_op(x.numel() // x.shape[-1]) if fused is not None else None
+        if op is not None:
+            return op(x, residual, self.weight, self.eps)
         return self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def _no_fusion() -> FusedInput | None:
+    return None

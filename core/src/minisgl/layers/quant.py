@@ -4,11 +4,17 @@ its method once, at build time, to create its parameters (with their weight load
 forward calls; the built-in :class:`Unquantized` method creates today's ``weight`` and returns the kernel set's
 ``linear``, so an unquantized layer's forward is the one call it always was. A mixture-of-experts layer's
 stacked expert weights (:class:`~minisgl.moe.MoEExperts`) are created and finished by the same method
-(:meth:`QuantMethod.create_expert_weights`, :meth:`QuantMethod.process_expert_weights_after_loading`)."""
+(:meth:`QuantMethod.create_expert_weights`, :meth:`QuantMethod.process_expert_weights_after_loading`).
+
+A method whose matmul quantizes its input can also hand that quantization to the op before the layer
+(:meth:`QuantMethod.fused_input`): the decoder layer's RMSNorms and the gated MLP's SiLU x up then write the
+quantized activation (:class:`QuantizedActivation`) in the same kernel, instead of a 16-bit tensor that the matmul
+reads again to quantize."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -17,8 +23,60 @@ from torch import nn
 if TYPE_CHECKING:
     from .linear import LinearBase
 
-#: ``(x, weight, bias) -> y``: what a linear layer's forward calls, chosen once per layer.
-LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A linear layer's input, already quantized by the op that produced it (:class:`FusedInput`): ``values``
+    ``[tokens, K]`` in the method's storage dtype (float8_e4m3fn for FP8), ``scales`` ``[tokens, groups]`` float32
+    (one group: a scale per token), ``dtype``: the activation dtype the values stand for (the matmul's output
+    dtype). ``values * scales`` (each scale repeated over its group's columns) is the activation."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.values.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The activation in ``dtype`` (for a matmul that takes no quantized input)."""
+        groups = self.scales.shape[-1]
+        v = self.values.float().unflatten(-1, (groups, -1))
+        return (v * self.scales.unsqueeze(-1)).flatten(-2).to(self.dtype)
+
+
+#: What a linear layer's matmul takes: the activation, or that activation quantized by a fused producer.
+LinearInput = torch.Tensor | QuantizedActivation
+#: ``(x, weight, bias) -> y``: what a linear layer's forward calls, chosen once per layer. ``x`` is a
+#: :class:`QuantizedActivation` only where the layer's method offered a :class:`FusedInput` that accepted its size.
+LinearOp = Callable[[LinearInput, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FusedInput:
+    """Ops that compute what feeds a linear layer and quantize it as that layer's matmul would, in one kernel.
+
+    - ``add_rmsnorm(x, residual, weight, eps) -> (input, x + residual)``: the kernel set's ``add_rmsnorm``
+      (``residual`` None: ``x`` starts the residual), its first output quantized;
+    - ``silu_mul(gate_up) -> input``: the kernel set's ``silu_mul``, quantized;
+    - ``takes(tokens)``: whether the layer's matmul wants a quantized input at that token count (a method whose
+      choice of kernel depends on the size may run one that takes 16-bit activations); where it is False, or
+      an op is None, the producer runs the kernel set's op and the matmul gets the 16-bit tensor.
+
+    The ops must produce exactly the values the unfused pair would: the kernel set's rounding, then the matmul's
+    own quantization of that tensor.
+    """
+
+    add_rmsnorm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[Any, torch.Tensor]] | None
+    silu_mul: Callable[[torch.Tensor], Any] | None
+    takes: Callable[[int], bool]
+
+    def rmsnorm_op(self, tokens: int) -> Callable[..., tuple[Any, torch.Tensor]] | None:
+        return self.add_rmsnorm if self.add_rmsnorm is not None and self.takes(tokens) else None
+
+    def silu_mul_op(self, tokens: int) -> Callable[[torch.Tensor], Any] | None:
+        return self.silu_mul if self.silu_mul is not None and self.takes(tokens) else None
 
 
 class ExpertWeights(Protocol):
@@ -63,10 +121,17 @@ class QuantMethod:
 
     def make_linear(self, layer: LinearBase) -> LinearOp:
         """The layer's matmul ``(x, weight, bias) -> y``, chosen once; it may read ``layer``'s other tensors."""
-        return layer.kernels.linear
+        return layer.kernels.linear  # type: ignore[return-value]  # no fused_input: x is always a tensor
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Called once per layer after the last checkpoint tensor (or dummy weights) is in."""
+
+    def fused_input(self, layer: LinearBase) -> FusedInput | None:
+        """Ops that let the norm or activation before ``layer`` quantize its input in their own kernel (asked
+        once, when the layer is built; the ops may read what loading sets later). None (the default): the
+        producers write 16-bit tensors and the matmul does what it does with them. A method returning ops makes
+        its matmul accept their :class:`QuantizedActivation`."""
+        return None
 
     def for_layer(self, checkpoint_names: Sequence[str]) -> QuantMethod:
         """The method of the layer holding the checkpoint modules ``checkpoint_names`` (a fused layer holds

@@ -14,7 +14,16 @@ from torch import nn
 
 from ..distributed import Communicator, SingleCommunicator, TPInfo
 from ..kernel import KernelSet, select_kernels
-from ..layers import ForwardContext, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
+from ..layers import (
+    AttentionBlock,
+    ForwardContext,
+    GatedMLP,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    rope_parameters,
+)
 from ..layers.linear import LinearBase
 from ..layers.quant import UNQUANTIZED, QuantMethod
 from ..moe import BaseMoEBackend, MoEExperts
@@ -51,6 +60,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps, offset=norm_offset, **kw)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, offset=norm_offset, **kw)
+        # The core's blocks read their input only through their first projection, so its quantization method
+        # may quantize the norm's output in the norm's kernel (a plugin's own block keeps 16-bit inputs).
+        if isinstance(self_attn, AttentionBlock):
+            self.input_layernorm.feeds(self_attn.qkv_proj)
+        if isinstance(mlp, GatedMLP):
+            self.post_attention_layernorm.feeds(mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext

@@ -17,6 +17,12 @@ rows do. The matmul is chosen once per layer when it is built (:meth:`FP8Method.
   ``MINISGL_FP8_TUNE=0`` keeps the defaults);
 - any other CUDA device or shape: de-quantize on every call, then the ordinary matmul.
 
+Where a layer's GEMM quantizes its input per token, the op before it does that instead, in its own kernel
+(:meth:`FP8Method.fused_input`): the decoder layer's two RMSNorms write the q/k/v and gate/up projections' FP8
+input, and SiLU x up writes down_proj's (:func:`.kernels.add_rmsnorm_quant`, :func:`.kernels.silu_mul_quant`;
+the same values the unfused pair computes). At a token count where the tuned table runs weight-only FP8, the
+producers write 16-bit activations as before. ``MINISGL_FP8_FUSE=0`` turns this off.
+
 A mixture-of-experts layer's experts (``w13_weight`` ``[experts, 2 * inter, hidden]``, ``w2_weight``) are FP8 in
 the same layouts, with scales ``[experts, rows, k_blocks]`` kept per weight row as above
 (:meth:`FP8Method.create_expert_weights`). With a MoE backend that runs FP8 experts (its ``expert_dtypes``: the
@@ -37,7 +43,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.layers import UNQUANTIZED, LinearBase, LinearOp, QuantMethod, RowParallelLinear, new_param
+from minisgl.layers import (
+    UNQUANTIZED,
+    FusedInput,
+    LinearBase,
+    LinearInput,
+    LinearOp,
+    QuantizedActivation,
+    QuantMethod,
+    RowParallelLinear,
+    new_param,
+)
 from minisgl.moe import ExpertScales, MoEExperts
 
 from .config import FP8Scheme, parse_config
@@ -58,6 +74,8 @@ W8A8_TILES: tuple[tuple[tuple[int, int, int, int, int], int, int], ...] = (
     ((64, 256, 128, 8, 4), 128, 1 << 30),
     ((128, 256, 128, 8, 3), 512, 1 << 30),
 )
+#: The GEMMs that quantize their input per token (and so take a :class:`~minisgl.layers.QuantizedActivation`).
+PER_TOKEN_PATHS = ("scaled_mm", "scaled_mm_fast", "tensor_epi", "w8a8")
 logger = logging.getLogger(__name__)
 #: Weight-only FP8 is tried up to this many tokens (beyond, the matmul is no longer bound by the weight's bytes).
 WEIGHT_ONLY_MAX_TOKENS = 64
@@ -66,11 +84,17 @@ WEIGHT_ONLY_MAX_TOKENS = 64
 def fp8_method(config: dict[str, Any] | None, dtype: torch.dtype, device: torch.device) -> FP8Method:
     """The factory of the method ``fp8``: ``config`` is the checkpoint's quantization_config (None: quantize
     an unquantized checkpoint at load, per channel). ``MINISGL_FP8_TUNE=0`` in the environment turns the
-    load-time GEMM tuning off (each layer then runs its default kernel, the same on every run)."""
+    load-time GEMM tuning off (each layer then runs its default kernel, the same on every run);
+    ``MINISGL_FP8_FUSE=0`` keeps the activation quantization in the GEMMs (no fused RMSNorm or SiLU x up)."""
     if dtype not in _DTYPES:
         raise ValueError(f"FP8 weights run with float32, bfloat16 or float16 activations, not {dtype}")
-    tune = os.environ.get("MINISGL_FP8_TUNE", "1").strip().lower() not in ("0", "false", "no", "off")
-    return FP8Method(parse_config(config), dtype, device, tune=tune)
+    return FP8Method(
+        parse_config(config), dtype, device, tune=_env_on("MINISGL_FP8_TUNE"), fuse=_env_on("MINISGL_FP8_FUSE")
+    )
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class FP8Method(QuantMethod):
@@ -86,11 +110,13 @@ class FP8Method(QuantMethod):
         paths: Sequence[Path] = (),
         tune: bool = True,
         tuner: GemmTuner | None = None,
+        fuse: bool = True,
     ):
         self.scheme, self.dtype, self.device = scheme, dtype, torch.device(device)
         self.block_k = scheme.block[1] if scheme.block is not None else None
         self._paths = tuple(paths)  # tests force a path; empty: the default, then the fastest measured
         self.tune = tune and not self._paths
+        self.fuse = fuse  # the producers of per-token layers' inputs quantize them (fused_input)
         self.tuner = tuner or GemmTuner()  # this engine's measurements (one table per layer shape)
         self._one: torch.Tensor | None = None
         self._said_experts = False  # the experts' treatment is logged once per engine
@@ -171,18 +197,35 @@ class FP8Method(QuantMethod):
         path = self.path(layer)
         layer.fp8_path = path  # type: ignore[assignment]  # what runs, for logs and tests
         if path == "reference":
-            return layer.kernels.linear  # on the weight de-quantized after loading
+            return layer.kernels.linear  # type: ignore[return-value]  # de-quantized weight; no fused input
         name = self.scale_name
         if path in ("scaled_mm", "block"):  # the default until the weights are in, then the tuned table
             layer.fp8_gemms = GemmTable.single(Candidate(path, self._gemm(path)))  # type: ignore[assignment]
 
-            def tuned(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            def tuned(x: LinearInput, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
                 table: GemmTable = layer.fp8_gemms  # type: ignore[assignment]
-                return table.pick(x.numel() // x.shape[-1])(x, w, getattr(layer, name), b)
+                m = x.tokens if isinstance(x, QuantizedActivation) else x.numel() // x.shape[-1]
+                return table.pick(m)(x, w, getattr(layer, name), b)
 
             return tuned
         gemm = self._gemm(path)
         return lambda x, w, b: gemm(x, w, getattr(layer, name), b)
+
+    def fused_input(self, layer: LinearBase) -> FusedInput | None:
+        """The fused RMSNorm and SiLU x up for a layer whose GEMM quantizes per token (CUDA, Triton, per-channel
+        or per-tensor weights), taken at each token count where its table runs such a GEMM."""
+        from . import kernels
+
+        path = getattr(layer, "fp8_path", None)
+        if not (self.fuse and path in PER_TOKEN_PATHS and self.device.type == "cuda" and kernels.triton_available()):
+            return None
+
+        def takes(m: int) -> bool:
+            table: GemmTable | None = getattr(layer, "fp8_gemms", None)
+            return table is None or table.name_at(m).startswith(PER_TOKEN_PATHS)
+
+        silu = kernels.silu_mul_quant if layer.in_features <= kernels.SILU_QUANT_MAX else None
+        return FusedInput(kernels.add_rmsnorm_quant, silu, takes)
 
     def _gemm(self, path: Path, tile: tuple[int, int, int, int, int] | None = None) -> Any:
         """``(x, weight, scale, bias) -> y`` of ``path`` (a GPU path; ``tile`` for the Triton W8A8 GEMM)."""

@@ -183,3 +183,53 @@ def weight_only_gemm(
     if not BLOCK_SCALES:
         acc *= tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     _store_tile(acc, c_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, HAS_BIAS)
+
+
+# The producers of a quantized layer's input, each fused with the per-token quantization that layer's GEMM would
+# run (`quant` above) on what the kernel set's op writes. Each reproduces that op's arithmetic and rounding
+# (minisgl-plugin-triton's RMSNorm and SiLU x up: float32 inside, rounded to the activation dtype where they
+# round), so the FP8 values and scales equal the unfused pair's.
+
+
+# RMSNorm (after adding the residual, which is written back in the activation dtype) of ROWS rows per program,
+# then per-row scale = amax / fp8_max and q = y / scale. `res_out_ptr` also names the activation dtype.
+@triton.jit(do_not_specialize=["n_rows"])
+def rmsnorm_quant(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows, n_cols, x_stride, res_stride, q_stride, eps, fp8_max,
+    HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows[:, None] * n_cols + cols[None, :], summed, mask=mask)
+        x = summed.to(tl.float32)
+    var = tl.sum(x * x, axis=1) / n_cols
+    y = (x * tl.rsqrt(var + eps)[:, None]).to(res_out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    y = (y.to(tl.float32) * w).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1) / fp8_max, 1e-12)
+    q = tl.clamp(y / scale[:, None], -fp8_max, fp8_max)
+    tl.store(q_ptr + rows[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+
+
+# silu(gate) * up of one row (gate: the first n columns of x, up: the next n), rounded as the kernel set rounds,
+# then quantized per row. The whole row is one block: its amax comes before any FP8 value can be written.
+@triton.jit
+def silu_mul_quant(x_ptr, q_ptr, s_ptr, n, x_stride, q_stride, fp8_max, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, 1e-12)
+    q = tl.clamp(y / scale, -fp8_max, fp8_max)
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)

@@ -24,10 +24,13 @@ from typing import Any
 
 import torch
 
+from minisgl.layers import LinearInput
+
 logger = logging.getLogger(__name__)
 
-#: (x, weight, scale, bias) -> y: one GEMM, as the method's layers call it.
-Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+#: (x, weight, scale, bias) -> y: one GEMM, as the method's layers call it (``x``: a tensor, or for a per-token
+#: GEMM the activation its producer already quantized).
+Gemm = Callable[[LinearInput, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 #: (fn, tokens) -> median milliseconds of one call of ``fn``.
 Timer = Callable[[Callable[[], object], int], float]
 
