@@ -396,7 +396,7 @@ def test_per_token_gemms_given_a_quantized_input_equal_themselves_given_the_acti
     torch.manual_seed(0)
     method = FP8Method(ONLINE, torch.bfloat16, torch.device("cuda"), paths=(path,))
     gemm = method._gemm(path)
-    w, scale, _ = _weights(512, 384, "online")
+    w, scale, _ = _weights(512, 384, "ct-channel")
     x = torch.randn(9, 512, device="cuda", dtype=torch.bfloat16)
     q, s = kernels.quant_tokens(x)
     from minisgl.layers import QuantizedActivation
