@@ -12,6 +12,8 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import ValidationError
+from minisgl.kernel import fp32_reciprocal, quantize_kv
+from minisgl.kvcache import KVLayout, MHAKVPool
 from minisgl.testing.models import prefill_logits, random_prompts
 
 # Teacher-forced logits over an FP8 cache against the unquantized cache (float32 model): relative error of
@@ -158,3 +160,43 @@ def test_fp8_generation_leaves_every_page_free(make_llm) -> None:
         sched.step()
         llm.check_accounting()
     assert reqs[1].finish_reason == "length" and len(reqs[1].output_ids) == 12
+
+
+def test_fp32_reciprocal_is_float32_division() -> None:
+    """The reciprocal the quantizing stores multiply by is float32's own 1 / scale, for any scale."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.cat([torch.rand(2000, generator=gen) * 10 + 1e-3, torch.tensor([1.0, 0.1, 3.0, 448.0])])
+    for s in scales.tolist():
+        want = (torch.tensor(1.0) / torch.tensor(s, dtype=torch.float32)).item()
+        assert fp32_reciprocal(s) == want, s
+        assert torch.tensor(fp32_reciprocal(s), dtype=torch.float32).item() == fp32_reciprocal(s)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 2.5])
+def test_quantize_kv_rounds_the_scaled_values_to_nearest_and_clamps(scale: float) -> None:
+    fp8 = torch.float8_e4m3fn
+    x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 500).to(torch.bfloat16)
+    got = quantize_kv(x, scale, fp8)
+    assert got.dtype == fp8 and not got.float().isnan().any()
+    scaled = x.float() * fp32_reciprocal(scale)
+    assert torch.equal(got.float(), scaled.clamp(-448, 448).to(fp8).float())
+    assert got.float().abs().max() == 448  # some values were past the range
+    # Round to nearest: no representable e4m3 value lies between a value and its quantization.
+    err = (got.float() - scaled.clamp(-448, 448)).abs()
+    ulp = torch.where(got.float().abs() >= 2**-6, 2.0 ** (torch.floor(torch.log2(got.float().abs())) - 3), 2.0**-9)
+    assert (err <= ulp / 2 + 1e-12).all()
+
+
+def test_a_quantized_pool_stores_exactly_quantize_kv() -> None:
+    """MHAKVPool over float8 stores through the kernel set's store_kv_quantized: quantize_kv's bytes."""
+    layout = KVLayout(2, 8, 4, 2, 16, torch.float8_e4m3fn, torch.device("cpu"), None, (0.5, 1.0), (2.0, 1.0))
+    pool = MHAKVPool(layout)
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(5, 2, 16, generator=gen) * 300, torch.randn(5, 2, 16, generator=gen)
+    loc = torch.tensor([3, 9, 0, 31, 17])
+    pool.store_kv(k, v, loc, 0)
+    k_rows = pool.k_cache(0).reshape(-1, 2, 16)[loc].view(torch.uint8)
+    v_rows = pool.v_cache(0).reshape(-1, 2, 16)[loc].view(torch.uint8)
+    assert torch.equal(k_rows, quantize_kv(k, 0.5, torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(v_rows, quantize_kv(v, 2.0, torch.float8_e4m3fn).view(torch.uint8))
+    assert pool.k_cache(1).view(torch.uint8).eq(0).all()  # the other layer untouched

@@ -127,9 +127,10 @@ def test_triton_sampler_draws_from_the_softmax_and_is_greedy_at_zero_temperature
     assert torch.equal(draws, again) and not torch.equal(draws, other)
 
 
-def test_fp8_kv_pool_stores_through_the_triton_copy() -> None:
-    """An FP8 pool hands the kernel set byte views of quantized rows: the triton store copies them (one launch)
-    and the pool then holds exactly what the PyTorch reference pool holds."""
+def test_fp8_kv_pool_stores_through_the_triton_kernel() -> None:
+    """An FP8 pool hands the kernel set its float8 layer views and the layer's scales: the triton store
+    quantizes and writes both rows in one launch, and the pool then holds exactly what the PyTorch reference
+    pool holds (whose store quantizes, then copies bytes)."""
     from minisgl.kvcache import KVLayout, MHAKVPool
 
     dev = torch.device("cuda")
@@ -144,3 +145,9 @@ def test_fp8_kv_pool_stores_through_the_triton_copy() -> None:
         for a, b in ((fast.k_cache(layer), ref.k_cache(layer)), (fast.v_cache(layer), ref.v_cache(layer))):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert fast.k_cache(1).view(torch.uint8).any()
+    # One launch per store, where the reference takes five (clamp and cast of k and of v, then the copy).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fast.store_kv(k, v, loc, 0)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "store_kv" in kernels[0].name, [e.name for e in kernels]

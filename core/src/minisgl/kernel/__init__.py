@@ -5,6 +5,7 @@ and takes this PyTorch path for inputs its kernels do not handle, so a layer's f
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)  # one op, the same arithmetic
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fp32_reciprocal(scale: float) -> float:
+    """``1 / scale`` as float32 computes it (IEEE division of float32 ``1`` by float32 ``scale``, rounded to
+    nearest), a Python float that float32 holds exactly. The quotient of two floats computed in double and
+    rounded once to float is the correctly rounded float quotient."""
+    s = struct.unpack("f", struct.pack("f", scale))[0]
+    return float(struct.unpack("f", struct.pack("f", 1.0 / s))[0])
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` (``x`` in float32 times :func:`fp32_reciprocal` of ``scale``, the same on every device),
+    clamped to the range of ``dtype`` (a cast past it gives NaN), rounded to nearest even, in ``dtype``: what a
+    quantized KV cache stores (also :func:`minisgl.kvcache.quantize_kv`)."""
+    limit = torch.finfo(dtype).max
+    y = x if scale == 1.0 else x.float() * fp32_reciprocal(scale)
+    return y.clamp(-limit, limit).to(dtype)  # out of place: ``x`` is the caller's
 
 
 def weight_major(rows: int) -> bool:
@@ -109,6 +127,24 @@ class KernelSet:
         """``k_cache[loc] = k; v_cache[loc] = v``: rows ``[T, heads, d]``, caches ``[slots, heads, d]``."""
         k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
         v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+
+    def store_kv_quantized(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        loc: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+    ) -> None:
+        """The store of a quantized (float8) cache: ``k_cache[loc] = quantize_kv(k, k_scale, k_cache.dtype)``,
+        and the same for ``v``. Here the rows are quantized first and stored as bytes through
+        :meth:`store_kv` (not every device has an ``index_copy`` for float8); a kernel set may do both in one
+        launch, with the same rounding (round to nearest even, after the clamp)."""
+        kq = quantize_kv(k, k_scale, k_cache.dtype).view(torch.uint8)
+        vq = quantize_kv(v, v_scale, v_cache.dtype).view(torch.uint8)
+        self.store_kv(kq, vq, loc, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)

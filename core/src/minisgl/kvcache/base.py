@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..kernel import quantize_kv as quantize_kv  # re-exported: minisgl.kvcache.quantize_kv
+
 if TYPE_CHECKING:
     from ..kernel import KernelSet
 
@@ -20,13 +22,6 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     """``fp8_e4m3`` for a quantized KV dtype, else the torch name (``bfloat16``)."""
     names = {d: n for n, d in QUANTIZED_KV_DTYPES.items()}
     return names.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x / scale``, clamped to the range of ``dtype`` (a cast past it gives NaN), in ``dtype``."""
-    limit = torch.finfo(dtype).max
-    y = x if scale == 1.0 else x.float() / scale
-    return y.clamp(-limit, limit).to(dtype)  # out of place: ``x`` is the caller's
 
 
 def dequantize_kv(cache: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

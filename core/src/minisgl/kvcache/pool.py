@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernel import select_kernels
-from .base import BaseKVPool, KVLayout, quantize_kv
+from .base import BaseKVPool, KVLayout
 
 
 class MHAKVPool(BaseKVPool):
@@ -18,9 +18,6 @@ class MHAKVPool(BaseKVPool):
         flat = (2, layout.num_layers, layout.num_slots, layout.num_kv_heads, layout.head_dim)
         self._flat = self._buffer.view(flat)
         self.kernels = layout.kernels or select_kernels(layout.device, layout.dtype)
-        # A quantized pool is written as bytes: the kernel set's store is a copy, and not every device
-        # has an index_copy for float8.
-        self._bytes = self._flat.view(torch.uint8) if layout.quantized else None
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._buffer[0, layer]
@@ -29,9 +26,9 @@ class MHAKVPool(BaseKVPool):
         return self._buffer[1, layer]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
-        if self._bytes is None:
-            self.kernels.store_kv(k, v, out_loc, self._flat[0, layer], self._flat[1, layer])
+        k_cache, v_cache = self._flat[0, layer], self._flat[1, layer]
+        if not self.layout.quantized:
+            self.kernels.store_kv(k, v, out_loc, k_cache, v_cache)
             return
-        dtype, (k_scale, v_scale) = self.layout.dtype, self.layout.kv_scales(layer)
-        kq, vq = quantize_kv(k, k_scale, dtype).view(torch.uint8), quantize_kv(v, v_scale, dtype).view(torch.uint8)
-        self.kernels.store_kv(kq, vq, out_loc, self._bytes[0, layer], self._bytes[1, layer])
+        k_scale, v_scale = self.layout.kv_scales(layer)
+        self.kernels.store_kv_quantized(k, v, out_loc, k_cache, v_cache, k_scale, v_scale)

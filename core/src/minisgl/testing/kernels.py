@@ -127,6 +127,24 @@ class KernelSetConformance:
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
     @pytest.mark.parametrize("rows", ROWS)
+    @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 2.5)])
+    def test_store_kv_quantized(self, kernels: KernelSet, rows: int, scales: tuple[float, float]) -> None:
+        """Into float8 e4m3 caches: the same bytes as the reference (quantize_kv, then a byte store), values
+        past the format's range clamped, the untouched slots left as they were."""
+        heads, d, slots, fp8 = 2, 64, 512, torch.float8_e4m3fn
+        k = self.randn(rows, heads, d, seed=rows) * 300  # beyond +-448 after the scale, so the clamp matters
+        v = (self.randn(rows, 2 * heads * d, seed=7) * 300)[:, : heads * d]  # a strided slice, as qkv's v is
+        loc = torch.randperm(slots, generator=torch.Generator().manual_seed(rows))[:rows].to(self.device)
+        caches = [self.randn(slots, heads, d, seed=8 + i % 2).to(fp8) for i in range(4)]  # two equal pairs
+        before = k.clone(), v.clone()
+        kernels.store_kv_quantized(k, v.view(rows, heads, d), loc, caches[0], caches[1], *scales)
+        KernelSet().store_kv_quantized(k, v.view(rows, heads, d), loc, caches[2], caches[3], *scales)
+        assert torch.equal(k, before[0]) and torch.equal(v, before[1]), "store_kv_quantized changed an input"
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert not got.float().isnan().any()
+
+    @pytest.mark.parametrize("rows", ROWS)
     def test_argmax(self, kernels: KernelSet, rows: int) -> None:
         logits = self.randn(rows, 1000, seed=rows).float()
         got, want = self.run_both(kernels, "argmax", logits)

@@ -10,9 +10,12 @@ import torch
 
 from minisgl.kernel import KernelSet, QKNorm
 
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
 
 class TritonKernels(KernelSet):
-    """CUDA: fused RMSNorm (+ residual), q/k-norm + rope, SiLU x up, KV store and sampling, each one launch."""
+    """CUDA: fused RMSNorm (+ residual), q/k-norm + rope, SiLU x up, KV store (quantizing into a float8 cache) and
+    sampling, each one launch."""
 
     name = "triton"
 
@@ -20,9 +23,10 @@ class TritonKernels(KernelSet):
         super().__init__()
         from .norm_rope import qk_norm_rope, rmsnorm, silu_and_mul
         from .sampling import gumbel_sample
-        from .store import store_kv
+        from .store import store_kv, store_kv_fp8
 
         self._rmsnorm, self._rope, self._silu_mul, self._store = rmsnorm, qk_norm_rope, silu_and_mul, store_kv
+        self._store_fp8 = store_kv_fp8
         self.gumbel_sample = gumbel_sample
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,6 +56,21 @@ class TritonKernels(KernelSet):
             self._store(k, v, loc, k_cache, v_cache)
         else:
             super().store_kv(k, v, loc, k_cache, v_cache)
+
+    def store_kv_quantized(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        loc: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+    ) -> None:
+        if k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn and k.dtype == v.dtype and k.dtype in _FLOATS:
+            self._store_fp8(k, v, loc, k_cache, v_cache, k_scale, v_scale)
+        else:
+            super().store_kv_quantized(k, v, loc, k_cache, v_cache, k_scale, v_scale)
 
 
 def triton_kernels(device: torch.device, dtype: torch.dtype) -> TritonKernels:
