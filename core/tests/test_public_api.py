@@ -20,7 +20,7 @@ PUBLIC: dict[str, set[str] | None] = {
     "minisgl.models": None,
     "minisgl.moe": None,
     "minisgl.distributed": None,
-    "minisgl.kernel": {"KernelSet", "QKNorm", "rms_norm", "select_kernels"},
+    "minisgl.kernel": {"KernelSet", "QKNorm", "fp32_reciprocal", "quantize_kv", "rms_norm", "select_kernels"},
     "minisgl.core": {"Batch", "Req", "SamplingParams", "TokenLogprob", "ValidationError"},
     "minisgl.engine.grammar": {"BaseGrammarBackend", "TokenMask", "error_field"},
 }
