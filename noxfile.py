@@ -34,6 +34,9 @@ SERVER_TEST_DEPS = ["openai>=1.30", "httpx", "schemathesis>=4", "sglang-router>=
 BENCH = "benchmarks/minisgl-bench"  # the distribution minisgl-bench: `minisgl bench ...`
 # In-tree plugins a plugin's tests need beside it: the fp8 plugin's tests load Llama, Qwen3 and Qwen3-MoE checkpoints.
 PLUGIN_TEST_NEEDS = {"fp8": ["llama", "qwen3-moe"]}
+# Packages from the registry a plugin's tests need beside it: the triton plugin's CPU tests run its sampler in
+# Triton's interpreter and compile it for sm_90 (the version the GPU machines have: docs/gpu.md).
+PLUGIN_TEST_DEPS = {"triton": ["triton==3.6.0"]}
 
 
 # pip's configuration -> the uv setting that says the same (uv reads no pip.conf): a machine whose pip finds
@@ -100,7 +103,7 @@ def plugin(session: nox.Session, name: str) -> None:
     _install_base(session)
     path = f"plugins/minisgl-plugin-{name}"
     needs = [arg for need in PLUGIN_TEST_NEEDS.get(name, []) for arg in ("-e", f"plugins/minisgl-plugin-{need}")]
-    session.install("-e", path, *needs)
+    session.install("-e", path, *needs, *PLUGIN_TEST_DEPS.get(name, []))
     _pytest(session, f"{path}/tests")
 
 

@@ -5,13 +5,17 @@ Run on a CUDA machine from the repository root (minisgl, its plugins and minisgl
     python3 benchmarks/h200/gpu_probe.py attention          # decode kernel: page sizes x tensor cores
     PROBE_HEADS=32 PROBE_KV=bf16,fp8_e4m3 python3 benchmarks/h200/gpu_probe.py attention OUT_DIR  # 8B, FP8 KV
     python3 benchmarks/h200/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
+    python3 benchmarks/h200/gpu_probe.py sampling OUT_DIR        # the triton sampler's kernel alone
 
 ``attention`` times FlashInfer's paged decode kernel alone (NHD with and without tensor cores, HND with them;
 and TensorRT-LLM's XQA at page 16 unless PROBE_XQA=0), at the shapes of the offline benchmark
 (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16) for batch 64 and 256 with 600..2000-token
 contexts, and reports the KV bytes read per second. ``window`` runs the offline workload and profiles 20
 decode steps in the middle of it (batch near 256): wall time per step against the device's kernel time
-per step, and the kernels that take it.
+per step, and the kernels that take it. ``sampling`` times minisgl-plugin-triton's one-pass sampler on bf16
+logits of the Qwen3 (151,936) and Llama-3 (128,256) vocabularies at batch 1..256: temperature rows with the
+hardware's approximate logarithm (what runs) and with the exact one, greedy rows, and the PyTorch path it
+replaces (softmax, exponential noise, argmax), against the time to read the logits once at the protocol's 4.3 TB/s.
 """
 
 from __future__ import annotations
@@ -192,6 +196,35 @@ def window(out_dir: Path, first: int = 300, steps: int = 20) -> dict:
     return result
 
 
+def _torch_sample(logits: torch.Tensor, inv_t: float, gen: torch.Generator) -> torch.Tensor:
+    """The PyTorch path the one-pass sampler replaces (the engine's exponential race)."""
+    probs = torch.softmax(logits.float() * inv_t, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(dim=-1)
+
+
+def sampling() -> list[dict]:
+    """Microseconds per call of the triton sampler (see the module's docstring), one row per (vocab, batch)."""
+    from minisgl_plugin_triton.sampling import gumbel_sample
+
+    dev = torch.device("cuda")
+    rows = []
+    for vocab in (151936, 128256):
+        for batch in (1, 32, 64, 128, 256):
+            logits = (torch.randn(batch, vocab, device=dev) * 3).to(torch.bfloat16)
+            temp = torch.full((batch,), 1 / 0.6, device=dev)
+            greedy = torch.zeros(batch, device=dev)
+            gen = torch.Generator(device=dev).manual_seed(0)
+            draw = functools.partial(gumbel_sample, logits, seed=5)
+            row = {"vocab": vocab, "batch": batch, "read_floor_us": round(batch * vocab * 2 / 4.3e6, 1)}
+            row["fast_log_us"] = round(_time_us(functools.partial(draw, temp)), 1)
+            row["exact_log_us"] = round(_time_us(functools.partial(draw, temp, fast_log=False)), 1)
+            row["greedy_us"] = round(_time_us(functools.partial(draw, greedy)), 1)
+            row["torch_us"] = round(_time_us(functools.partial(_torch_sample, logits, 1 / 0.6, gen)), 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
@@ -200,6 +233,9 @@ if __name__ == "__main__":
     # attention: PROBE_HEADS query heads (16: Qwen3-0.6B; 32: the 8B shapes) and PROBE_KV, the KV dtypes to time
     # (comma-separated: bf16, fp8_e4m3); the defaults keep the file name of the 0.6B bf16 probe.
     heads, kv = int(os.environ.get("PROBE_HEADS", "16")), tuple(os.environ.get("PROBE_KV", "bf16").split(","))
+    if what == "sampling":
+        (out / "gpu-probe-sampling.json").write_text(json.dumps(sampling(), indent=1))
+        sys.exit(0)
     res = attention(heads, kv) if what == "attention" else window(out, first)
     tag = "" if (heads, kv) == (16, ("bf16",)) else f"-h{heads}-{'-'.join(kv)}"
     name = what + tag if what == "attention" else f"{what}-{first}"

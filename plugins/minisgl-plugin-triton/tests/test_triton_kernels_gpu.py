@@ -127,6 +127,38 @@ def test_triton_sampler_draws_from_the_softmax_and_is_greedy_at_zero_temperature
     assert torch.equal(draws, again) and not torch.equal(draws, other)
 
 
+def test_triton_sampler_with_the_hardware_logarithm_draws_what_the_exact_one_draws() -> None:
+    """The noise's logarithms by lg2.approx (the default on a GPU) against the exact ones, same seed: the same
+    token in nearly every row of a model-sized vocabulary (they can differ only where two scores are within
+    ~1e-4), and the tails kept: a token of probability 1e-3 drawn as often as that, and a flat row's winner
+    spread evenly over the vocabulary."""
+    from minisgl_plugin_triton.sampling import gumbel_sample
+
+    dev = torch.device("cuda")
+    torch.manual_seed(4)
+    vocab, rows = 151936, 1024
+    logits = (torch.randn(rows, vocab, device=dev) * 3).to(torch.bfloat16)
+    inv = torch.full((rows,), 1 / 0.6, device=dev)
+    fast = gumbel_sample(logits, inv, seed=21)
+    exact = gumbel_sample(logits, inv, seed=21, fast_log=False)
+    assert float((fast == exact).float().mean()) >= 0.99
+    # A rare token: probabilities 0.999 and 0.001 on two tokens, the rest impossible.
+    n = 200_000
+    row = torch.full((4096,), float("-inf"), device=dev)
+    row[[10, 3000]] = torch.tensor([0.999, 0.001], device=dev).log()
+    draws = gumbel_sample(row.expand(n, 4096), torch.ones(n, device=dev), seed=8)
+    rare = int((draws == 3000).sum())
+    assert int(((draws == 10) | (draws == 3000)).sum()) == n
+    assert abs(rare - 200) < 5 * 200**0.5, rare
+    # A flat row: the winner is uniform over the whole vocabulary (16 equal bins, chi-square with 15 degrees of
+    # freedom under its 0.1 % critical value 37.7).
+    n = 32_000
+    zeros = torch.zeros(vocab, device=dev, dtype=torch.bfloat16).expand(n, vocab)
+    flat = gumbel_sample(zeros, torch.ones(n, device=dev), seed=9)
+    counts = torch.bincount(flat * 16 // vocab, minlength=16).float()
+    assert float(((counts - n / 16) ** 2 / (n / 16)).sum()) < 37.7, counts
+
+
 def test_fp8_kv_pool_stores_through_the_triton_kernel() -> None:
     """An FP8 pool hands the kernel set its float8 layer views and the layer's scales: the triton store
     quantizes and writes both rows in one launch, and the pool then holds exactly what the PyTorch reference
