@@ -6,6 +6,7 @@ Run on a CUDA machine from the repository root (minisgl, its plugins and minisgl
     PROBE_HEADS=32 PROBE_KV=bf16,fp8_e4m3 python3 benchmarks/h200/gpu_probe.py attention OUT_DIR  # 8B, FP8 KV
     python3 benchmarks/h200/gpu_probe.py window OUT_DIR [FIRST]  # profile steps FIRST..FIRST+20 (default 300)
     python3 benchmarks/h200/gpu_probe.py sampling OUT_DIR        # the triton sampler's kernel alone
+    python3 benchmarks/h200/gpu_probe.py prefill OUT_DIR         # a mixed step's attention, bf16 and FP8 KV
 
 ``attention`` times FlashInfer's paged decode kernel alone (NHD with and without tensor cores, HND with them;
 and TensorRT-LLM's XQA at page 16 unless PROBE_XQA=0), at the shapes of the offline benchmark
@@ -16,6 +17,10 @@ per step, and the kernels that take it. ``sampling`` times minisgl-plugin-triton
 logits of the Qwen3 (151,936) and Llama-3 (128,256) vocabularies at batch 1..256: temperature rows with the
 hardware's approximate logarithm (what runs) and with the exact one, greedy rows, and the PyTorch path it
 replaces (softmax, exponential noise, argmax), against the time to read the logits once at the protocol's 4.3 TB/s.
+``prefill`` times the attention of one mixed step of the offline workload at the 8B shapes (32 query / 8 KV
+heads, page 16: 15 prompts of 450-650 new tokens and 0-125 decoding requests with 560-600-token contexts), as
+FlashInfer's paged prefill runs it over a bf16 and an FP8 cache, beside its ragged prefill over the prompts'
+own bf16 K/V (what a prompt with nothing cached could attend to without reading the cache back).
 """
 
 from __future__ import annotations
@@ -202,6 +207,45 @@ def _torch_sample(logits: torch.Tensor, inv_t: float, gen: torch.Generator) -> t
     return (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(dim=-1)
 
 
+def prefill() -> list[dict]:
+    """Microseconds per layer of a mixed step's attention (see the module's docstring)."""
+    import flashinfer
+
+    dev = torch.device("cuda")
+    hq, hkv, d, ps = 32, 8, 128, 16
+    rng = random.Random(0)
+    rows = []
+    for decoding in (0, 60, 125):
+        new = [rng.randint(450, 650) for _ in range(15)] + [1] * decoding
+        ctx = new[:15] + [rng.randint(560, 600) for _ in range(decoding)]
+        counts = [-(-n // ps) for n in ctx]
+        pages = sum(counts)
+        perm = torch.randperm(pages, device=dev).to(torch.int32) + 1
+        kv_indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+        last = torch.tensor([n - (c - 1) * ps for n, c in zip(ctx, counts, strict=True)], dtype=torch.int32)
+        qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(int(qo[-1]), hq, d, dtype=torch.bfloat16, device=dev)
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+        row: dict = {"prompts": 15, "decoding": decoding, "new_tokens": int(qo[-1]), "cached_tokens": sum(ctx)}
+        for name, kv_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+            k = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
+            v = torch.randn(pages + 1, ps, hkv, d, device=dev).to(kv_dtype)
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+            w.plan(qo, kv_indptr, perm, last, hq, hkv, d, ps, causal=True, q_data_type=torch.bfloat16,
+                   kv_data_type=kv_dtype)  # fmt: skip
+            row[f"paged_{name}_us"] = round(_time_us(functools.partial(w.run, q, (k, v))), 1)
+            del k, v
+        # The prompts alone, over their own K/V (nothing cached): the ragged kernel, bf16.
+        p_qo = qo[:16]
+        kq = torch.randn(int(p_qo[-1]), hkv, d, dtype=torch.bfloat16, device=dev)
+        ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa2")
+        ragged.plan(p_qo, p_qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+        row["ragged_prompts_bf16_us"] = round(_time_us(functools.partial(ragged.run, q[: int(p_qo[-1])], kq, kq)), 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def sampling() -> list[dict]:
     """Microseconds per call of the triton sampler (see the module's docstring), one row per (vocab, batch)."""
     from minisgl_plugin_triton.sampling import gumbel_sample
@@ -233,8 +277,10 @@ if __name__ == "__main__":
     # attention: PROBE_HEADS query heads (16: Qwen3-0.6B; 32: the 8B shapes) and PROBE_KV, the KV dtypes to time
     # (comma-separated: bf16, fp8_e4m3); the defaults keep the file name of the 0.6B bf16 probe.
     heads, kv = int(os.environ.get("PROBE_HEADS", "16")), tuple(os.environ.get("PROBE_KV", "bf16").split(","))
-    if what == "sampling":
-        (out / "gpu-probe-sampling.json").write_text(json.dumps(sampling(), indent=1))
+    if what in ("sampling", "prefill"):
+        (out / f"gpu-probe-{what}.json").write_text(
+            json.dumps(sampling() if what == "sampling" else prefill(), indent=1)
+        )
         sys.exit(0)
     res = attention(heads, kv) if what == "attention" else window(out, first)
     tag = "" if (heads, kv) == (16, ("bf16",)) else f"-h{heads}-{'-'.join(kv)}"
