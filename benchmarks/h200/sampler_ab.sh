@@ -19,7 +19,7 @@ step 120 python3 benchmarks/h200/gpu_probe.py sampling "$OUT"
 step 90 python3 benchmarks/h200/gpu_probe.py prefill "$OUT"
 SAMPLER=plugins/minisgl-plugin-triton/src/minisgl_plugin_triton/sampling.py
 cp $SAMPLER /tmp/sampling.fast.py
-sed -e 's/FAST=not interpreting() if fast_log is None else fast_log,/FAST=False,/' $SAMPLER > /tmp/sampling.exact.py
+sed -e 's/FAST=not isinstance(_gumbel_chunk_kernel, InterpretedFunction) if fast_log is None else fast_log,/FAST=False,/' $SAMPLER > /tmp/sampling.exact.py
 grep -q "FAST=False," /tmp/sampling.exact.py || { echo "exact patch failed"; exit 1; }
 for round in $(seq ${ROUNDS:-2}); do
   for side in fast exact; do

@@ -123,6 +123,11 @@ def test_greedy_rows_and_draws_in_the_interpreter(tmp_path: Path) -> None:
     assert len(set(first)) > 1  # 16 draws from four equal tokens
 
 
+def _tools() -> Path:
+    """The NVIDIA backend's binaries that Triton's wheel carries (ptxas, nvdisasm)."""
+    return Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin"  # type: ignore[union-attr, arg-type]
+
+
 def _sass(fast: bool) -> str:
     """The first pass compiled for an H100/H200 (sm_90) and disassembled: Triton's compiler and the ptxas and
     nvdisasm its wheel carries, no GPU."""
@@ -144,7 +149,7 @@ def _sass(fast: bool) -> str:
     attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn=sampling._gumbel_chunk_kernel, signature=signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": sampling.WARPS})
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    tools = _tools()
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"minisgl-gumbel-{os.getpid()}-{fast}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     try:
@@ -168,7 +173,7 @@ def _loop_bodies(sass: str) -> list[list[str]]:
 def test_the_gpu_kernel_takes_the_hardware_logarithm() -> None:
     """On the GPU the noise's two logarithms are MUFU.LG2 (one instruction each); the exact ones compile to
     polynomials instead. Compiled, not run: it needs Triton's NVIDIA backend tools, not a GPU."""
-    tools = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin"  # type: ignore[union-attr, arg-type]
+    tools = _tools()
     if not (tools / "ptxas").exists() or not (tools / "nvdisasm").exists():
         pytest.skip("this Triton carries no ptxas/nvdisasm")
     fast, exact = _sass(True), _sass(False)
