@@ -29,21 +29,28 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # plugin runs (Hopper, Blackwell); fp8kv-flashinfer decodes it with FlashInfer, fp8kv-xqa names the pair.
 # `prebuild_variants NAMES...` compiles XQA's FP8 modules first when a variant decodes with it. fp8-unfused and
 # fp8kv-unfused are fp8 and fp8kv with the activations quantized inside the GEMMs (`variant_env` prints
-# MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up.
+# MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up;
+# fp8kv-paged is fp8kv with FlashInfer prefilling every row through the paged kernel (MINISGL_FLASHINFER_RAGGED=0),
+# the A/B of the ragged prefill of fresh prompts.
 variant_args() {
   case $1 in
     bf16) echo "" ;;
     fp8|fp8-unfused) echo "--quantization fp8" ;;
-    fp8kv|fp8kv-unfused) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+    fp8kv|fp8kv-unfused|fp8kv-paged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
     fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer" ;;
     fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-    *) echo "unknown variant $1 (bf16, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-flashinfer, fp8kv-xqa)" \
+    *) echo "unknown variant $1 (bf16, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-flashinfer, fp8kv-xqa)" \
       | tee -a "$OUT/log.txt" >&2; return 1 ;;
   esac
 }
-variant_env() { case $1 in *-unfused) echo "MINISGL_FP8_FUSE=0" ;; esac; }
+variant_env() {
+  case $1 in
+    *-unfused) echo "MINISGL_FP8_FUSE=0" ;;
+    *-paged) echo "MINISGL_FLASHINFER_RAGGED=0" ;;
+  esac
+}
 prebuild_variants() {
-  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*|*" fp8kv-unfused "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*|*" fp8kv-unfused "*|*" fp8kv-paged "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
 }
 # Mini-SGLang (carried in .peer by ../shared/bench/peer/setup.sh) with its wheels in /tmp/psite; PEER_ENV runs it.
 # Never on one path with this project: both are 'minisgl'.

@@ -9,7 +9,13 @@ from minisgl.attention import AttentionContext, BaseAttnBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch
 from minisgl.plugins import PluginRegistry, load_plugins
-from minisgl.testing.attention import ATTN_CASES, AttentionBackendConformance, AttentionHarness, AttnCase
+from minisgl.testing.attention import (
+    ATTN_CASES,
+    AttentionBackendConformance,
+    AttentionHarness,
+    AttnCase,
+    reference_attention,
+)
 from minisgl.testing.kv_pool import KVPoolConformance
 
 
@@ -189,6 +195,42 @@ class _IgnoresKVScales(TorchAttnBackend):
         return (t.index_select(0, slots).view(pool.layout.dtype).to(dtype) for t in (k, v))
 
 
+class _FreshOverOwnKV(TorchAttnBackend):
+    """Stores everything, but attends prompts with nothing cached over their new K/V as given (unquantized), as
+    a ragged prefill kernel does: allowed over a quantized cache."""
+
+    def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
+        out = super().forward(q, k, v, layer_id, batch).clone()
+        hq, hkv, d = self.ctx.num_qo_heads, self.ctx.num_kv_heads, self.ctx.head_dim
+        start = 0
+        for r in batch.reqs:
+            n = r.extend_len
+            if r.cached_len == 0:
+                rows = slice(start, start + n)
+                qr, kr, vr = (x[rows].reshape(n, -1, d) for x in (q, k, v))
+                assert kr.shape[1] == hkv
+                own = reference_attention(qr, kr, vr, 0, self.ctx.scale)
+                out[rows] = own.reshape(n, hq * d).to(out.dtype)
+            start += n
+        return out
+
+
+class _FreshNotStored(_FreshOverOwnKV):
+    """Attends fresh prompts over their own K/V but leaves their slots unwritten (zeros)."""
+
+    def forward(self, q, k, v, layer_id, batch):  # type: ignore[no-untyped-def]
+        out = super().forward(q, k, v, layer_id, batch)
+        start, pool = 0, self.ctx.kv_pool
+        for r in batch.reqs:
+            if r.cached_len == 0:
+                loc = batch.out_loc[start : start + r.extend_len]
+                for cache in (pool.k_cache(layer_id), pool.v_cache(layer_id)):
+                    flat = cache.view(-1, self.ctx.num_kv_heads, self.ctx.head_dim).view(torch.uint8)
+                    flat[loc] = 0
+            start += r.extend_len
+        return out
+
+
 BROKEN: dict[str, type[BaseAttnBackend]] = {
     "wrong-layer": _WrongLayer,
     "ignores-cached-prefix": _IgnoresCachedPrefix,
@@ -199,7 +241,10 @@ BROKEN: dict[str, type[BaseAttnBackend]] = {
 }
 
 
-BROKEN_FP8: dict[str, type[BaseAttnBackend]] = {"ignores-kv-scales": _IgnoresKVScales}
+BROKEN_FP8: dict[str, type[BaseAttnBackend]] = {
+    "ignores-kv-scales": _IgnoresKVScales,
+    "fresh-prompts-not-stored": _FreshNotStored,
+}
 
 
 def _run_all_scenarios(factory, kv_cache_dtype: str = "auto") -> None:  # type: ignore[no-untyped-def]
@@ -228,6 +273,16 @@ def test_kit_rejects_broken_fp8_backend(name: str) -> None:
     with pytest.raises(AssertionError):
         _run_all_scenarios(BROKEN_FP8[name], "fp8_e4m3")
     _run_all_scenarios(TorchAttnBackend, "fp8_e4m3")  # the same scenarios pass with the reference
+
+
+def test_kit_lets_fresh_prompts_attend_over_their_own_kv_over_a_quantized_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _run_all_scenarios(_FreshOverOwnKV, "fp8_e4m3")
+    # Without the allowance those rows differ from the reference reading the FP8 cache: the kit relied on it.
+    monkeypatch.setattr(AttentionHarness, "_fresh_unquantized", lambda self, *args: None)
+    with pytest.raises(AssertionError, match="differ from the torch reference"):
+        _run_all_scenarios(_FreshOverOwnKV, "fp8_e4m3")
 
 
 def test_harness_reports_request_and_position() -> None:

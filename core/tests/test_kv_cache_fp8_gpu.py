@@ -1,6 +1,10 @@
 """Whole-model GPU checks of the FP8 KV cache: flashinfer over an FP8 cache against the torch reference over
 the same FP8 cache (prefill logits, greedy decode with and without CUDA graphs, prefix reuse), and the page
 count doubling against bfloat16. Skipped without CUDA (and without flashinfer).
+
+The torch reference reads every prompt back from the FP8 cache, so the comparisons with it run flashinfer the
+same way (``MINISGL_FLASHINFER_RAGGED=0``); by default flashinfer prefills fresh prompts over their own,
+unquantized K/V, which is checked against the reference over a bfloat16 cache.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ MODELS = {  # flashinfer's head dims, GQA 2:1 and 4:1
     "LlamaForCausalLM": {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64},
 }
 TIE = 0.05  # a greedy divergence is accepted where the reference prefers its token by < TIE row std
+
+
+@pytest.fixture(autouse=True)
+def _paged_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashinfer reads prompts back from the FP8 cache, as the torch reference does (a test may set it back)."""
+    monkeypatch.setenv("MINISGL_FLASHINFER_RAGGED", "0")
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -112,6 +122,30 @@ def test_prefill_logits_close_to_torch_fp8(model_dir: Path, reference: Reference
     decisive = (top2[:, 0] - top2[:, 1]) > TIE * ref.std(dim=-1)
     top1 = float((got.argmax(-1) == ref.argmax(-1))[decisive].float().mean())
     assert top1 >= 0.99, f"top-1 agreement at decisive positions {top1:.4f}"
+
+
+def test_fresh_prompts_attend_over_their_unquantized_kv(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the ragged prefill on, a batch of fresh prompts over an FP8 cache gives the logits of attention over a
+    bfloat16 cache (nothing is read back quantized), closer to them than the paged prefill over the FP8 cache; and
+    the engine then decodes from what it stored."""
+    seqs = random_prompts([5, 17, 200, 64, 9, 128, 33, 250], 512, seed=7)
+    bf16 = _llm(model_dir, attention_backend="torch", overlap_schedule=False, cuda_graph_max_bs=0)
+    ref = _logits(bf16, seqs)
+    bf16.close()
+    errors = {}
+    for ragged in ("1", "0"):
+        monkeypatch.setenv("MINISGL_FLASHINFER_RAGGED", ragged)
+        llm = _llm(model_dir, attention_backend="flashinfer", kv_cache_dtype="fp8_e4m3")
+        assert llm.engine.attn.ragged_prefill == (ragged == "1")  # type: ignore[attr-defined]
+        got = _logits(llm, seqs)
+        assert not torch.isnan(got).any()
+        errors[ragged] = float((got - ref).norm() / ref.norm())
+        if ragged == "1":
+            tokens = _generate(llm, seqs)
+            assert all(len(t) == NEW_TOKENS for t in tokens)
+        llm.close()
+    assert errors["1"] < 2e-2, f"relative logits error {errors['1']:.2e} against torch over a bfloat16 cache"
+    assert errors["0"] > 2 * errors["1"], f"the paged prefill over FP8 is as close ({errors}): did ragged run?"
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])

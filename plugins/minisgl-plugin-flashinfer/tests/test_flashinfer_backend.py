@@ -39,6 +39,7 @@ class Setup:
         dtype: torch.dtype,
         seed: int,
         tensor_cores: bool | None = None,
+        ragged: bool | None = None,
     ):
         from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
 
@@ -66,7 +67,7 @@ class Setup:
             dtype=dtype,
             device=self.dev,
         )
-        self.fi = FlashInferAttnBackend(self.ctx, use_tensor_cores=tensor_cores)
+        self.fi = FlashInferAttnBackend(self.ctx, use_tensor_cores=tensor_cores, ragged_prefill=ragged)
         self.ref = TorchAttnBackend(self.ctx)
 
     def make_batch(self, phase: str, specs: list[tuple[int, int]]) -> Batch:
@@ -98,24 +99,38 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _check(setup: Setup, batch: Batch, layer: int = 1) -> None:
+def _rerun(setup: Setup, batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The planned kernels once more, into a NaN-poisoned buffer (so an unwritten element shows)."""
+    from minisgl_plugin_flashinfer.backend import FlashInferMetadata
+
+    c, meta = setup.ctx, batch.attn_metadata
+    assert isinstance(meta, FlashInferMetadata)
+    hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
+    q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=c.dtype, device=setup.dev)
+    kv = (setup.pool.k_cache(layer), setup.pool.v_cache(layer))
+    t = meta.paged_tokens if meta.ragged is not None else q.shape[0]
+    if meta.wrapper is not None:
+        meta.wrapper.run(q[:t], kv, out=out[:t])
+    if meta.ragged is not None:
+        meta.ragged.run(q[t:], k[t:], v[t:], out=out[t:])
+    return out.view(-1, hq * d)
+
+
+def _check(setup: Setup, batch: Batch, layer: int = 1) -> torch.Tensor:
     assert batch.out_loc is not None
     q, k, v = setup.qkv(batch.out_loc.numel())
     setup.fi.prepare_metadata(batch)
     out = setup.fi.forward(q, k, v, layer, batch)
-    # Every element written: run the planned kernel once more into a NaN-poisoned buffer.
-    c = setup.ctx
-    poisoned = torch.full((q.shape[0], c.num_qo_heads, c.head_dim), float("nan"), dtype=c.dtype, device=setup.dev)
-    batch.attn_metadata.wrapper.run(
-        q.view(-1, c.num_qo_heads, c.head_dim), (setup.pool.k_cache(layer), setup.pool.v_cache(layer)), out=poisoned
-    )
+    poisoned = _rerun(setup, batch, q, k, v, layer)
     assert not torch.isnan(poisoned).any(), "flashinfer left output elements unwritten"
-    assert _rel_err(poisoned.view_as(out), out) < 1e-3
+    assert _rel_err(poisoned, out) < 1e-3
     setup.ref.prepare_metadata(batch)
     ref = setup.ref.forward(q, k, v, layer, batch)
     assert not torch.isnan(out).any()
     err = _rel_err(out, ref)
     assert err < 1e-2, f"relative error {err:.2e} against the torch backend"
+    return out
 
 
 GQA = [(8, 4), (16, 4)]  # 2:1 and 4:1
@@ -127,6 +142,49 @@ def test_prefill_with_cached_prefix_matches_torch(page_size: int, heads: int, kv
     s = Setup(page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 100 + heads)
     specs = [(0, 37), (16, 1), (100, 64), (5, 200), (0, 1), (257, 33)]
     _check(s, s.make_batch("prefill", specs))
+
+
+# Rows with nothing cached at the end of the batch take the ragged kernel; the rest the paged one.
+MIXED_SPECS = [
+    [(16, 1), (100, 64), (0, 37), (0, 200)],  # decode row and later chunk, then two fresh prompts
+    [(0, 37), (0, 1), (0, 300)],  # every row fresh: no paged kernel at all
+    [(0, 37), (5, 20), (0, 64)],  # a fresh row before a cached one stays paged
+]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("specs", MIXED_SPECS, ids=["mixed", "all-fresh", "interleaved"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_fresh_prompts_match_torch(
+    page_size: int, heads: int, kv_heads: int, specs: list[tuple[int, int]], ragged: bool
+) -> None:
+    s = Setup(page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 31 + heads, ragged=ragged)
+    batch = s.make_batch("prefill", specs)
+    _check(s, batch)
+    meta = batch.attn_metadata
+    from minisgl_plugin_flashinfer.backend import ragged_split
+
+    split = ragged_split(batch.reqs) if ragged else len(specs)
+    assert (meta.ragged is not None) == (split < len(specs))
+    assert (meta.wrapper is not None) == (split > 0)
+    if meta.ragged is not None:
+        assert meta.paged_tokens == sum(new for _, new in specs[:split])
+
+
+def test_ragged_and_paged_prefill_agree() -> None:
+    """The same batch through the ragged kernel and through the paged one: the same attention."""
+    on = Setup(16, 16, 4, 128, torch.bfloat16, seed=5, ragged=True)
+    off = Setup(16, 16, 4, 128, torch.bfloat16, seed=5, ragged=False)
+    specs = [(40, 1), (0, 129), (0, 3)]
+    batch_on, batch_off = on.make_batch("prefill", specs), off.make_batch("prefill", specs)
+    q, k, v = on.qkv(batch_on.out_loc.numel())
+    on.fi.prepare_metadata(batch_on)
+    off.fi.prepare_metadata(batch_off)
+    assert batch_on.attn_metadata.ragged is not None and batch_off.attn_metadata.ragged is None
+    a = on.fi.forward(q, k, v, 0, batch_on)
+    b = off.fi.forward(q, k, v, 0, batch_off)
+    assert _rel_err(a, b) < 5e-3
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])

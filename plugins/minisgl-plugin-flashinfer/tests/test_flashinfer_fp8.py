@@ -1,5 +1,6 @@
 """The flashinfer backend over an FP8 KV cache (CUDA only): the conformance kit with per-layer scales against the
-torch reference reading the same FP8 cache, and a captured decode graph replayed over an FP8 cache."""
+torch reference reading the same FP8 cache (with and without the ragged prefill of fresh prompts), and a captured
+decode graph replayed over an FP8 cache."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ class TestFlashInferFP8KVConformance(AttentionBackendConformance):
     device = "cuda"
     dtype = torch.bfloat16
     kv_cache_dtype = "fp8_e4m3"
+
+
+def _paged_only(ctx: AttentionContext) -> object:
+    from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend(ctx, ragged_prefill=False)
+
+
+class TestFlashInferFP8KVPagedConformance(AttentionBackendConformance):
+    """Every row through the paged kernel (no ragged prefill of fresh prompts): each row then matches the
+    reference reading the FP8 cache, with no allowance for fresh prompts' unquantized K/V."""
+
+    backend = staticmethod(_paged_only)
+    device = "cuda"
+    dtype = torch.bfloat16
+    kv_cache_dtype = "fp8_e4m3"
+    head_dims = (128,)
 
 
 class TestFlashInferFP8KVFloat16(AttentionBackendConformance):

@@ -47,11 +47,40 @@ def test_auto_picks_flashinfer_on_cuda_when_installed() -> None:
         )
 
 
-def test_the_tensor_core_override_reads_on_off_and_auto() -> None:
-    from minisgl_plugin_flashinfer.backend import _tensor_cores_from_env
+def test_backend_switches_read_on_off_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl_plugin_flashinfer.backend import _flag_from_env
 
-    assert [_tensor_cores_from_env(v) for v in (None, "", "auto", " AUTO ")] == [None] * 4
-    assert [_tensor_cores_from_env(v) for v in ("1", "true", "on")] == [True] * 3
-    assert [_tensor_cores_from_env(v) for v in ("0", "false", "off")] == [False] * 3
+    name = "MINISGL_FLASHINFER_RAGGED"
+    monkeypatch.delenv(name, raising=False)
+    assert _flag_from_env(name) is None
+
+    def read(value: str) -> bool | None:
+        monkeypatch.setenv(name, value)
+        return _flag_from_env(name)
+
+    assert [read(v) for v in ("", "auto", " AUTO ")] == [None] * 3
+    assert [read(v) for v in ("1", "true", "on")] == [True] * 3
+    assert [read(v) for v in ("0", "false", "off")] == [False] * 3
+    monkeypatch.setenv("MINISGL_FLASHINFER_TENSOR_CORES", "maybe")
     with pytest.raises(ValueError, match=r"MINISGL_FLASHINFER_TENSOR_CORES='maybe': expected 1, 0 or auto"):
-        _tensor_cores_from_env("maybe")
+        _flag_from_env("MINISGL_FLASHINFER_TENSOR_CORES")
+
+
+def test_ragged_split_takes_the_trailing_prompts_with_nothing_cached() -> None:
+    from minisgl_plugin_flashinfer.backend import ragged_split
+
+    from minisgl.core import Req, SamplingParams
+
+    def reqs(cached: list[int]) -> list[Req]:
+        out = []
+        for i, c in enumerate(cached):
+            r = Req(rid=i, input_ids=[0] * (c + 4), params=SamplingParams(), max_new_tokens=1)
+            r.cached_len, r.device_len = c, c + 4
+            out.append(r)
+        return out
+
+    assert ragged_split(reqs([])) == 0
+    assert ragged_split(reqs([0, 0, 0])) == 0
+    assert ragged_split(reqs([12, 7, 0, 0])) == 2
+    assert ragged_split(reqs([0, 7, 0])) == 2  # a fresh prompt before a cached row stays paged
+    assert ragged_split(reqs([3, 0, 5])) == 3

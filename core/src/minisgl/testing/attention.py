@@ -34,13 +34,17 @@ than 1.0 (:data:`KV_TEST_SCALES`): the backend is compared with the torch refere
 the same quantized cache, stored values must be exactly :func:`~minisgl.kvcache.quantize_kv`
 of the new K/V, and the reference is checked against float64 math twice: over the
 de-quantized K/V (tight), and over the unquantized K/V within :data:`QUANTIZED_KV_TOLERANCE`
-(what quantizing the cache costs).
+(what quantizing the cache costs). Over a quantized cache, a prompt with nothing cached
+before the step (a fresh prefill, the first chunk) may instead attend over its new K/V as
+computed, without reading them back from the cache (vLLM and SGLang do so): each of its
+rows passes if it is close to the reference or to float64 attention over those K/V.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -266,7 +270,8 @@ class AttentionHarness:
             want = self.reference.forward(q0.clone(), k0.clone(), v0.clone(), layer, ref_batch)
             at = f"{where}, layer {layer}"
             assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0), f"{at}: forward modified q, k or v"
-            self._check_output(out, want, (tokens, hq * d), owners, at)
+            fresh = partial(self._fresh_unquantized, q0, k0, v0, plan)
+            self._check_output(out, want, (tokens, hq * d), owners, at, fresh)
             if layer == 0:  # plain math is slow; one layer is enough to vouch for the reference
                 self._check_reference(q0, k0, v0, want, plan, at)
             self._check_kv(before, out_loc, k0.view(tokens, hkv, d), v0.view(tokens, hkv, d), layer, at)
@@ -282,8 +287,36 @@ class AttentionHarness:
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         return (k.clone(), v.clone()) if copy else (k, v)
 
+    def _fresh_unquantized(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Sequence[tuple[Req, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a quantized cache: (row mask, float64 attention) of the rows of prompts with nothing cached
+        before this step, over their new K/V as computed (what a backend may read instead of the cache)."""
+        if not self.layout.quantized:
+            return None
+        hq, hkv, d = self.case.num_qo_heads, self.case.num_kv_heads, self.case.head_dim
+        tokens = q.shape[0]
+        mask = torch.zeros(tokens, dtype=torch.bool)
+        alt = torch.zeros(tokens, hq * d, dtype=torch.float64)
+        start = 0
+        for req, n in plan:
+            if req.cached_len == 0:
+                rows = slice(start, start + n)
+                qr, kr, vr = (x[rows].cpu().reshape(n, -1, d) for x in (q, k, v))
+                assert kr.shape[1] == hkv
+                alt[rows] = reference_attention(qr, kr, vr, 0, self.ctx.scale).reshape(n, hq * d)
+                mask[rows] = True
+            start += n
+        return (mask, alt) if bool(mask.any()) else None
+
     def _check_output(
-        self, out: torch.Tensor, want: torch.Tensor, shape: tuple[int, int], owners: list[tuple[int, int]], at: str
+        self,
+        out: torch.Tensor,
+        want: torch.Tensor,
+        shape: tuple[int, int],
+        owners: list[tuple[int, int]],
+        at: str,
+        fresh: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] = lambda: None,
     ) -> None:
         assert isinstance(out, torch.Tensor), f"{at}: forward returned {type(out).__name__}, not a tensor"
         assert tuple(out.shape) == shape, f"{at}: output shape {tuple(out.shape)}, expected {shape}"
@@ -295,6 +328,11 @@ class AttentionHarness:
             rows = torch.nonzero(~finite).view(-1).tolist()
             raise AssertionError(f"{at}: NaN/inf in output rows {self._rows(rows, owners)}")
         close = torch.isclose(got, ref, atol=self.atol, rtol=self.rtol).all(dim=1)
+        alternative = None if bool(close.all()) else fresh()
+        if alternative is not None:  # fresh prompts over a quantized cache: their own K/V are fine too
+            mask, alt = alternative
+            near = torch.isclose(got.double(), alt, atol=2 * self.atol, rtol=2 * self.rtol).all(dim=1)
+            close |= mask & near
         if not bool(close.all()):
             rows = torch.nonzero(~close).view(-1).tolist()
             err = (got - ref).abs().max().item()
