@@ -30,16 +30,16 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # `prebuild_variants NAMES...` compiles XQA's FP8 modules first when a variant decodes with it. fp8-unfused and
 # fp8kv-unfused are fp8 and fp8kv with the activations quantized inside the GEMMs (`variant_env` prints
 # MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up;
-# fp8kv-paged is fp8kv with FlashInfer prefilling every row through the paged kernel (MINISGL_FLASHINFER_RAGGED=0),
-# the A/B of the ragged prefill of fresh prompts.
+# fp8kv-paged and bf16-paged are fp8kv and bf16 with FlashInfer prefilling every row through the paged kernel
+# (MINISGL_FLASHINFER_RAGGED=0), the A/B of the ragged prefill of fresh prompts.
 variant_args() {
   case $1 in
-    bf16) echo "" ;;
+    bf16|bf16-paged) echo "" ;;
     fp8|fp8-unfused) echo "--quantization fp8" ;;
     fp8kv|fp8kv-unfused|fp8kv-paged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
     fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer" ;;
     fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-    *) echo "unknown variant $1 (bf16, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-flashinfer, fp8kv-xqa)" \
+    *) echo "unknown variant $1 (bf16, bf16-paged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-flashinfer, fp8kv-xqa)" \
       | tee -a "$OUT/log.txt" >&2; return 1 ;;
   esac
 }
