@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -117,7 +118,9 @@ def _rerun(setup: Setup, batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torc
     return out.view(-1, hq * d)
 
 
-def _check(setup: Setup, batch: Batch, layer: int = 1) -> torch.Tensor:
+def _check(setup: Setup, batch: Batch, layer: int = 1) -> Any:
+    """Checks the batch through flashinfer against torch; returns flashinfer's metadata (the batch then holds the
+    reference's)."""
     assert batch.out_loc is not None
     q, k, v = setup.qkv(batch.out_loc.numel())
     setup.fi.prepare_metadata(batch)
@@ -125,12 +128,13 @@ def _check(setup: Setup, batch: Batch, layer: int = 1) -> torch.Tensor:
     poisoned = _rerun(setup, batch, q, k, v, layer)
     assert not torch.isnan(poisoned).any(), "flashinfer left output elements unwritten"
     assert _rel_err(poisoned, out) < 1e-3
+    meta = batch.attn_metadata
     setup.ref.prepare_metadata(batch)
     ref = setup.ref.forward(q, k, v, layer, batch)
     assert not torch.isnan(out).any()
     err = _rel_err(out, ref)
     assert err < 1e-2, f"relative error {err:.2e} against the torch backend"
-    return out
+    return meta
 
 
 GQA = [(8, 4), (16, 4)]  # 2:1 and 4:1
@@ -161,8 +165,7 @@ def test_fresh_prompts_match_torch(
 ) -> None:
     s = Setup(page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 31 + heads, ragged=ragged)
     batch = s.make_batch("prefill", specs)
-    _check(s, batch)
-    meta = batch.attn_metadata
+    meta = _check(s, batch)
     from minisgl_plugin_flashinfer.backend import ragged_split
 
     split = ragged_split(batch.reqs) if ragged else len(specs)
