@@ -6,7 +6,8 @@
 # fp8kv"; also fp8kv-flashinfer, FlashInfer decoding the FP8 cache, and fp8kv-xqa, the pair named) pick what runs;
 # SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the
 # commit. Results in $OUT (the peer prints one JSON line per run, kept in log.txt). Each step is given its limit;
-# the call's LIMIT skips what no longer fits.
+# the call's LIMIT skips what no longer fits; RUN_STEP (default 90 s) is each engine run's (give the first run on a fresh
+# machine more: FlashInfer compiles its prefill kernels then).
 set -uo pipefail
 export LIMIT=${LIMIT:-570}
 source benchmarks/h200/setup.sh
@@ -23,7 +24,7 @@ for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
   mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
   for variant in $VARIANTS; do
     args=$(variant_args $variant) || continue
-    step 90 env $(variant_env $variant) $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant \
+    step ${RUN_STEP:-90} env $(variant_env $variant) $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant \
       --trace-steps /tmp/trace-$shape-$variant.jsonl
   done
   step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape
