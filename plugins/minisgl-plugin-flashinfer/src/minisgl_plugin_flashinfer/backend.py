@@ -32,6 +32,7 @@ vLLM and SGLang (the conformance kit allows exactly that). ``ragged_prefill``
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -139,9 +140,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         lens = [r.device_len for r in reqs]
         counts = [(x + ps - 1) // ps for x in lens]
         pad = max(0, pad_to - n)
-        indptr = [0]
-        for c in counts + [1] * pad:
-            indptr.append(indptr[-1] + c)
+        indptr = list(itertools.accumulate(counts + [1] * pad, initial=0))
         last = [x - (c - 1) * ps for x, c in zip(lens, counts, strict=False)] + [1] * pad
         total = indptr[-1]
         real = indptr[n]
@@ -199,8 +198,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
             meta.ragged = self.ragged_wrapper
         if split > 0:
             paged = reqs[:split]
+            paged_qo = _indptr(r.extend_len for r in paged)
             self.prefill_wrapper.plan(
-                _indptr(r.extend_len for r in paged),
+                paged_qo,
                 *self._page_lists(paged),
                 c.num_qo_heads,
                 c.num_kv_heads,
@@ -213,7 +213,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
                 non_blocking=True,
             )
             meta.wrapper = self.prefill_wrapper
-            meta.paged_tokens = sum(r.extend_len for r in paged)
+            meta.paged_tokens = int(paged_qo[-1])
         batch.attn_metadata = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
@@ -285,10 +285,7 @@ def ragged_split(reqs: list[Req]) -> int:
 
 def _indptr(lengths: Iterable[int]) -> torch.Tensor:
     """``[0, l0, l0 + l1, ...]`` as an int32 CPU tensor (what FlashInfer's plan reads on the host)."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+    return torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)
 
 
 def _flag_from_env(name: str) -> bool | None:
