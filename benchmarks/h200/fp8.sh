@@ -7,12 +7,12 @@
 # SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the
 # commit. Results in $OUT (the peer prints one JSON line per run, kept in log.txt). Each step is given its limit;
 # the call's LIMIT skips what no longer fits; RUN_STEP (default 90 s) is each engine run's (give the first run on a fresh
-# machine more: FlashInfer compiles its prefill kernels then).
+# machine more: FlashInfer compiles its prefill kernels then). PEER=0 leaves Mini-SGLang out (an A/B of our variants).
 set -uo pipefail
 export LIMIT=${LIMIT:-570}
 source benchmarks/h200/setup.sh
 export MINISGL_DISABLE_PLUGINS=${MINISGL_DISABLE_PLUGINS-xgrammar}
-use_peer
+[ "${PEER:-1}" != 0 ] && use_peer
 CONFIGS=benchmarks/minisgl-bench/src/minisgl_bench/configs
 B="python3 -m minisgl bench offline --output $OUT"
 VARIANTS=${VARIANTS:-bf16 fp8 fp8kv}
@@ -27,11 +27,10 @@ for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
     step ${RUN_STEP:-90} env $(variant_env $variant) $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant \
       --trace-steps /tmp/trace-$shape-$variant.jsonl
   done
-  step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape
-  peer_step=120
+  [ "${PEER:-1}" != 0 ] && { step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape; peer_step=120; }
 done
 if [ "${SMALL:-1}" != 0 ]; then
   step 60 $B --label offline-qwen3-0.6b-bf16
-  step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1
+  [ "${PEER:-1}" != 0 ] && step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1
 fi
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
