@@ -30,16 +30,16 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # `prebuild_variants NAMES...` compiles XQA's FP8 modules first when a variant decodes with it. fp8-unfused and
 # fp8kv-unfused are fp8 and fp8kv with the activations quantized inside the GEMMs (`variant_env` prints
 # MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up;
-# fp8kv-paged and bf16-paged are fp8kv and bf16 with FlashInfer prefilling every row through the paged kernel
-# (MINISGL_FLASHINFER_RAGGED=0), the A/B of the ragged prefill of fresh prompts.
+# fp8kv-ragged and bf16-ragged are fp8kv and bf16 with FlashInfer's ragged prefill of fresh prompts on
+# (MINISGL_FLASHINFER_RAGGED=1; off by default), fp8kv-paged and bf16-paged with it off by name: its A/B.
 variant_args() {
   case $1 in
-    bf16|bf16-paged) echo "" ;;
+    bf16|bf16-paged|bf16-ragged) echo "" ;;
     fp8|fp8-unfused) echo "--quantization fp8" ;;
-    fp8kv|fp8kv-unfused|fp8kv-paged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
+    fp8kv|fp8kv-unfused|fp8kv-paged|fp8kv-ragged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
     fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer" ;;
     fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-    *) echo "unknown variant $1 (bf16, bf16-paged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-flashinfer, fp8kv-xqa)" \
+    *) echo "unknown variant $1 (bf16, bf16-paged, bf16-ragged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-ragged, fp8kv-flashinfer, fp8kv-xqa)" \
       | tee -a "$OUT/log.txt" >&2; return 1 ;;
   esac
 }
@@ -47,10 +47,11 @@ variant_env() {
   case $1 in
     *-unfused) echo "MINISGL_FP8_FUSE=0" ;;
     *-paged) echo "MINISGL_FLASHINFER_RAGGED=0" ;;
+    *-ragged) echo "MINISGL_FLASHINFER_RAGGED=1" ;;
   esac
 }
 prebuild_variants() {
-  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*|*" fp8kv-unfused "*|*" fp8kv-paged "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*|*" fp8kv-unfused "*|*" fp8kv-paged "*|*" fp8kv-ragged "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
 }
 # Mini-SGLang (carried in .peer by ../shared/bench/peer/setup.sh) with its wheels in /tmp/psite; PEER_ENV runs it.
 # Never on one path with this project: both are 'minisgl'.
