@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from minisgl_bench.offline import _git_commit, cpu_workload, gpu_workload, warmup_workload, write_record
+from minisgl_bench.offline import _git_commit, cpu_workload, gemm_report, gpu_workload, warmup_workload, write_record
 
 
 def test_benchmark_workloads_match_the_protocol() -> None:
@@ -70,3 +70,17 @@ def test_step_totals_split_the_timed_run_by_step_kind_and_decode_batch(tmp_path:
     }
     table = format_step_totals(totals, 0.05)
     assert "device busy 0.034 s (68%)" in table and "64: 2 steps 4.00 ms" in table
+
+
+def test_gemm_report_keeps_the_fastest_candidate_per_token_count_and_its_weight_rate() -> None:
+    key = "('scaled_mm', 4096, 1024, False)"
+    rows = [
+        {"key": key, "m": 16, "n": 4096, "k": 1024, "candidate": "a", "ms": 0.004},
+        {"key": key, "m": 16, "n": 4096, "k": 1024, "candidate": "b", "ms": 0.002},
+        {"key": key, "m": 16, "n": 4096, "k": 1024, "candidate": "c", "skipped": "relative error 1 > 0.08"},
+        {"key": key, "m": 32, "n": 4096, "k": 1024, "candidate": "a", "ms": 0.008},
+        {"key": "old", "m": 16, "candidate": "a", "ms": 1.0},  # a row without the shape is left out
+    ]
+    (line,) = gemm_report(rows)
+    # 4096 x 1024 bytes in 2 us: 2.10 TB/s; in 8 us: 0.52 TB/s.
+    assert line == f"fp8 GEMM {key} [4096 x 1024]: m=16 2.0us 2.10TB/s b, m=32 8.0us 0.52TB/s a"

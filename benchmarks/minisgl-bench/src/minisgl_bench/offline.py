@@ -169,6 +169,11 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
     tuner = getattr(engine.quant, "tuner", None)  # a quantization method that measures its kernels at load
     if tuner is not None and callable(getattr(tuner, "summary", None)):
         result["gemm_choices"] = tuner.summary()
+        timings = getattr(tuner, "results", None)
+        if isinstance(timings, list):  # every candidate's time per layer shape and token count
+            result["gemm_timings"] = timings
+            for line in gemm_report(timings):
+                print(line)
     llm.check_accounting()
     if args.profile:
         result["profile"] = args.profile
@@ -178,6 +183,27 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         result["steps"] = step_totals(Path(args.trace_steps), timed_from, timed_from + seconds)
         print(format_step_totals(result["steps"], seconds))
     return result
+
+
+def gemm_report(timings: list[dict[str, Any]]) -> list[str]:
+    """One line per layer shape of a load-time GEMM tuning (``tuner.results`` rows): at each token count the
+    fastest candidate, its microseconds and the rate at which it reads the weight (one byte per FP8 element;
+    at decode sizes the GEMM is bound by that read, so the rate against the GPU's copy rate says how far the
+    kernel is from its floor)."""
+    best: dict[tuple[str, int, int], dict[int, tuple[float, str]]] = {}
+    for row in timings:
+        ms, n, k = row.get("ms"), row.get("n"), row.get("k")
+        if ms is None or n is None or k is None:
+            continue
+        at = best.setdefault((str(row["key"]), int(n), int(k)), {})
+        m = int(row["m"])
+        if m not in at or ms < at[m][0]:
+            at[m] = (float(ms), str(row["candidate"]))
+    lines = []
+    for (key, n, k), at in best.items():
+        parts = [f"m={m} {ms * 1e3:.1f}us {n * k / (ms * 1e9):.2f}TB/s {name}" for m, (ms, name) in sorted(at.items())]
+        lines.append(f"fp8 GEMM {key} [{n} x {k}]: " + ", ".join(parts))
+    return lines
 
 
 def step_totals(trace: Path, since: float, until: float) -> dict[str, Any]:

@@ -97,7 +97,9 @@ class GemmTuner:
         self.buckets = tuple(buckets)
         self._timer = timer
         self._tables: dict[Any, tuple[str, ...]] = {}
-        #: One row per (shape, bucket, candidate): milliseconds or why it was left out (for logs and benchmarks).
+        #: One row per (shape, bucket, candidate): the layer shape's ``key``, the token count ``m``, the weight's
+        #: ``n`` x ``k``, the ``candidate`` and its ``ms`` and ``rel_err``, or why it was ``skipped`` (for logs and
+        #: benchmarks: ``minisgl bench offline`` records them as ``gemm_timings``).
         self.results: list[dict[str, Any]] = []
 
     def summary(self) -> dict[str, str]:
@@ -142,7 +144,7 @@ class GemmTuner:
             ref = reference(x).float()
             best, best_ms = candidates[0].name, float("inf")
             for cand in candidates:
-                row: dict[str, Any] = {"key": str(key), "m": m, "candidate": cand.name}
+                row: dict[str, Any] = {"key": str(key), "m": m, "n": weight.shape[0], "k": k, "candidate": cand.name}
                 if not cand.fits(m):
                     continue
                 try:
