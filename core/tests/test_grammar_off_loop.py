@@ -116,6 +116,31 @@ def test_a_late_mask_ends_its_request_with_grammar_error_and_no_token(llm: LLM) 
     assert free.finish_reason == "length" and len(free.output_ids) == 40
 
 
+@pytest.mark.parametrize("accepted", [1, 2, 3, 5])
+def test_a_late_mask_hands_the_prefix_cache_only_tokens_it_kept(llm: LLM, accepted: int) -> None:
+    """With overlap the next step was already fed the late request's discarded token: its KV position is no
+    token of the request, so what the prefix cache is given stops before it (a whole number of pages, one slot
+    per token, whichever page that position falls on: prompt 2 + 1 or 5 accepted tokens + 1 fills one or two
+    pages of 4)."""
+    sched = llm.scheduler
+    cache = sched.kv.cache
+    inserts: list[tuple[int, int]] = []
+    real_insert = cache.insert
+
+    def insert(token_ids: Any, slots: Any) -> int:
+        inserts.append((len(token_ids), slots.numel()))
+        return real_insert(token_ids, slots)
+
+    cache.insert = insert  # type: ignore[method-assign]
+    late = sched.add_request([8, 9], _grammar(f"late:{accepted}", max_tokens=20))
+    while sched.has_work:
+        sched.step()
+        sched.take_grammar_outcomes()
+    assert late.finish_reason == "grammar_error" and len(late.output_ids) == accepted
+    kept = (2 + accepted) // 4 * 4  # the whole pages of the tokens it has
+    assert inserts == ([(kept, kept)] if kept else [])
+
+
 def test_generate_raises_a_refusal_as_add_request_did(llm: LLM) -> None:
     with pytest.raises(ValidationError, match="this grammar is bad") as info:
         llm.generate([[5, 6, 7], [8, 9]], [FREE, _grammar("bad")], use_tqdm=False)

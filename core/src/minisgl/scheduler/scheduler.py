@@ -607,6 +607,9 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
+            # A late mask's token is discarded after, with overlap, the next step was fed it: that KV position
+            # holds no token of the request, and the prefix cache must not be given it.
+            req.cached_len = min(req.cached_len, len(req.input_ids) + len(req.output_ids))
             self.kv.release(req)
         if _needs_lockstep(req):
             self._lockstep_reqs -= 1
