@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from minisgl_bench.offline import _against_floor
-from minisgl_bench.roofline import H200, Hardware, ModelShape, Precision, floor, main, precision_of
+from minisgl_bench.roofline import H100, H200, Hardware, ModelShape, Precision, floor, hardware_for, main, precision_of
 from minisgl_bench.workloads import CONFIG_DIR, Workload, gpu_workload
 
 TINY = {
@@ -126,15 +126,46 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def test_offline_sets_a_run_against_its_own_floor(capsys: pytest.CaptureFixture[str]) -> None:
-    record: dict = {}
+    record: dict = {"machine": {"gpu": "NVIDIA H200"}}
     _against_floor(_args(), record, gpu_workload(), 25_000.0)
     assert record["ratio_to_minisglang_21100"] == pytest.approx(25_000 / 21_100)
     assert record["ratio_to_floor"] == pytest.approx(25_000 / record["floor"]["tok_s"])
     # At another shape the 0.6B reference does not apply; the floor follows the shape and precision.
-    eight: dict = {}
+    eight: dict = {"machine": {"gpu": "NVIDIA H200"}}
     _against_floor(
         _args(model_config=str(CONFIG_DIR / "qwen3-8b.json"), quantization="fp8"), eight, gpu_workload(), 11_000.0
     )
     assert "ratio_to_minisglang_21100" not in eight and eight["floor"]["precision"] == "FP8 weights, bf16 KV"
     assert eight["floor"]["tok_s"] < record["floor"]["tok_s"]
     assert "of the floor's rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("gpu", "expected", "noted"),
+    [("NVIDIA H100 80GB HBM3", H100, False), ("NVIDIA H200", H200, False), ("NVIDIA A100-SXM4-80GB", H200, True)],
+)
+def test_the_floor_follows_the_gpu_the_run_had(gpu: str, expected: Hardware, noted: bool) -> None:
+    hw, note = hardware_for(gpu)
+    assert hw is expected and (note is not None) == noted
+    if noted:
+        assert gpu in str(note) and "H200" in str(note)
+
+
+def test_an_h100_run_gets_the_h100_floor_and_no_h200_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    h100: dict = {"machine": {"gpu": "NVIDIA H100 80GB HBM3"}}
+    h200: dict = {"machine": {"gpu": "NVIDIA H200"}}
+    _against_floor(_args(), h100, gpu_workload(), 19_000.0)
+    _against_floor(_args(), h200, gpu_workload(), 19_000.0)
+    assert h100["floor"]["hardware"] == H100.name and "ratio_to_minisglang_21100" not in h100
+    # Less bandwidth, same tensor cores: a slower floor for the memory-bound decode, the same prefill compute.
+    assert h100["floor"]["tok_s"] < h200["floor"]["tok_s"]
+    assert h100["floor"]["prefill"]["compute_seconds"] == pytest.approx(h200["floor"]["prefill"]["compute_seconds"])
+    assert "is an H200's" in capsys.readouterr().out
+
+
+def test_cli_takes_the_h100_rates(tmp_path: Path) -> None:
+    out = tmp_path / "floor.json"
+    assert main(["--gpu", "h100", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["hardware"] == H100.name
+    main(["--gpu", "h100", "--tb-s", "3.35", "--output", str(out)])
+    assert "3.35 TB/s" in json.loads(out.read_text())["hardware"]

@@ -470,23 +470,31 @@ def _model_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _against_floor(args: argparse.Namespace, record: dict[str, Any], work: Workload, ours: float) -> None:
-    """Set the run against the workload's hardware floor for its model and precision (``roofline``), and
-    the Qwen3-0.6B shape against the protocol's Mini-SGLang reference, measured on that shape only."""
-    from .roofline import ModelShape, floor, precision_of, table
+    """Set the run against the workload's hardware floor for its model and precision (``roofline``) on the GPU it
+    ran on (``record["machine"]["gpu"]``), and the Qwen3-0.6B shape on an H200 against the protocol's Mini-SGLang
+    reference, measured on that shape and card only."""
+    from .roofline import H200, ModelShape, floor, hardware_for, precision_of, table
 
     config = _model_config(args)
     if config is None:
         return
+    hw, note = hardware_for(record.get("machine", {}).get("gpu"))
     if args.load_format == "dummy" and not args.model_config:
-        record["ratio_to_minisglang_21100"] = ours / 21_100
-        print(f"vs Mini-SGLang's reference on this shape, 21,100 tok/s: {ours / 21_100:.2f}x")
+        if hw is H200 and note is None:
+            record["ratio_to_minisglang_21100"] = ours / 21_100
+            print(f"vs Mini-SGLang's reference on this shape, 21,100 tok/s: {ours / 21_100:.2f}x")
+        else:
+            print("Mini-SGLang's reference on this shape (21,100 tok/s) is an H200's: run it beside this one instead")
     try:
         shape = ModelShape.from_config(config)
     except ValueError as exc:
         print(f"no hardware floor: {exc}")
         return
     precision = precision_of(config, args.quantization, args.kv_cache_dtype)
-    result = floor(shape, work, precision, chunk=args.chunked_prefill_size)  # _defaults set the engine's chunk
+    if note:
+        print(note)
+        record["floor_note"] = note
+    result = floor(shape, work, precision, hw, chunk=args.chunked_prefill_size)  # _defaults set the engine's chunk
     record["floor"] = result.to_dict()
     record["ratio_to_floor"] = ours / result.tok_s
     record["ratio_to_kernel_floor"] = ours / result.kernel_tok_s

@@ -26,7 +26,11 @@ hide a memory-bound attention.
 
 Dense decoders only (Llama, Qwen3, Mistral shapes); a mixture-of-experts config is
 refused. The default rates are the protocol's floor figures for one H200:
-790 TFLOP/s (bf16 tensor cores; twice that for FP8) and 4.3 TB/s.
+790 TFLOP/s (bf16 tensor cores; twice that for FP8) and 4.3 TB/s. ``--gpu h100``
+(and ``minisgl bench offline`` on an H100) uses an H100 SXM's: the same tensor
+cores (the H200 is the same GH100 chip with more and faster memory) and 3.0 TB/s,
+the H200's measured-to-peak copy ratio (4.3 of 4.8 TB/s) applied to the H100's
+3.35 TB/s peak.
 """
 
 from __future__ import annotations
@@ -106,6 +110,21 @@ class Hardware:
 
 
 H200 = Hardware("H200 (protocol floor: 790 TFLOP/s bf16, 1580 FP8, 4.3 TB/s)", 790e12, 1580e12, 4.3e12)
+H100 = Hardware(
+    "H100 SXM (790 TFLOP/s bf16, 1580 FP8, 3.0 TB/s: the H200's rates at the H100's bandwidth)", 790e12, 1580e12, 3.0e12
+)
+GPUS: dict[str, Hardware] = {"h200": H200, "h100": H100}
+
+
+def hardware_for(gpu_name: str | None) -> tuple[Hardware, str | None]:
+    """The floor's rates for a GPU named as ``torch.cuda.get_device_name`` names it, and a note when there is no
+    preset for it (the H200's rates are used then, and the note says so)."""
+    name = (gpu_name or "").upper()
+    for key, hw in GPUS.items():
+        if key.upper() in name:
+            return hw, None
+    shown = gpu_name or "unknown"
+    return H200, f"no floor rates for this GPU ({shown}): the H200's are used, so the ratio is only indicative"
 
 
 @dataclass(frozen=True)
@@ -287,9 +306,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None, help="fp8: FP8 linear weights (default: the config's)")
     p.add_argument("--kv-cache-dtype", default=None, help="fp8_e4m3: an FP8 KV cache (default: 16-bit)")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--tflops", type=float, default=None, help="bf16 tensor-core TFLOP/s (default: 790, H200)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="whose peak rates (default: h200)")
+    p.add_argument("--tflops", type=float, default=None, help="bf16 tensor-core TFLOP/s (default: the --gpu's)")
     p.add_argument("--fp8-tflops", type=float, default=None, help="FP8 tensor-core TFLOP/s (default: twice --tflops)")
-    p.add_argument("--tb-s", type=float, default=None, help="memory bandwidth, TB/s (default: 4.3, H200)")
+    p.add_argument("--tb-s", type=float, default=None, help="memory bandwidth, TB/s (default: the --gpu's)")
     p.add_argument("--measured", type=float, default=None, help="a measured tok/s to set against the floor")
     p.add_argument("--output", default=None, help="also write the floor as JSON to this file")
     return p
@@ -299,11 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     path = Path(args.model_config) if args.model_config else CONFIG_DIR / "qwen3-0.6b.json"
     config = json.loads(path.read_text())
-    hw = H200
+    base = hw = GPUS[args.gpu]
     if (args.tflops, args.fp8_tflops, args.tb_s) != (None, None, None):
-        tflops = args.tflops or H200.bf16_flops / 1e12
+        tflops = args.tflops or base.bf16_flops / 1e12
         fp8 = args.fp8_tflops or 2 * tflops
-        tb_s = args.tb_s or H200.bandwidth / 1e12
+        tb_s = args.tb_s or base.bandwidth / 1e12
         hw = Hardware(f"{tflops:g} TFLOP/s bf16, {fp8:g} FP8, {tb_s:g} TB/s", tflops * 1e12, fp8 * 1e12, tb_s * 1e12)
     result = floor(
         ModelShape.from_config(config),
