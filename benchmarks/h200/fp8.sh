@@ -18,7 +18,9 @@ B="python3 -m minisgl bench offline --output $OUT"
 VARIANTS=${VARIANTS:-bf16 fp8 fp8kv}
 prebuild_variants $VARIANTS
 # The peer's first run compiles FlashInfer's kernels (its graph capture at batch 256 took 127 s on a fresh
-# machine, 2026-12-04, and its prefill compiles after that): 200 s was not enough for Qwen3-8B.
+# machine, 2026-12-04, and its prefill compiles after that): 200 s was not enough for Qwen3-8B. Later runs on a
+# warm H100 still spend 80-100 s capturing graphs (2026-12-07: 102 s for Qwen3-8B, 95 s for Qwen3-0.6B), and
+# neither a 200 s Qwen3-8B step nor a 120 s 0.6B step was enough then: PEER_STEP (default 240) is theirs.
 peer_step=${PEER_FIRST_STEP:-300}
 for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
   mkdir -p /tmp/peer-$shape && cp .peer/model/* /tmp/peer-$shape/ && cp $CONFIGS/$shape.json /tmp/peer-$shape/config.json
@@ -27,7 +29,7 @@ for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
     step ${RUN_STEP:-90} env $(variant_env $variant) $B --model-config $CONFIGS/$shape.json $args --label offline-$shape-$variant \
       --trace-steps /tmp/trace-$shape-$variant.jsonl
   done
-  [ "${PEER:-1}" != 0 ] && { step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape; peer_step=120; }
+  [ "${PEER:-1}" != 0 ] && { step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape; peer_step=${PEER_STEP:-240}; }
 done
 if [ "${SMALL:-1}" != 0 ]; then
   step 60 $B --label offline-qwen3-0.6b-bf16
