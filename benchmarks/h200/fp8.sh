@@ -7,7 +7,8 @@
 # SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the
 # commit. Results in $OUT (the peer prints one JSON line per run, kept in log.txt). Each step is given its limit;
 # the call's LIMIT skips what no longer fits; RUN_STEP (default 90 s) is each engine run's (give the first run on a fresh
-# machine more: FlashInfer compiles its prefill kernels then). PEER=0 leaves Mini-SGLang out (an A/B of our variants).
+# machine more: FlashInfer compiles its prefill kernels then); PEER_FIRST_STEP (default 300 s) is the peer's first
+# run's and PEER_STEP (default 240 s) its later ones'. PEER=0 leaves Mini-SGLang out (an A/B of our variants).
 set -uo pipefail
 export LIMIT=${LIMIT:-570}
 source benchmarks/h200/setup.sh

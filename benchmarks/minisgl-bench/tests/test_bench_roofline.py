@@ -141,14 +141,25 @@ def test_offline_sets_a_run_against_its_own_floor(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize(
-    ("gpu", "expected", "noted"),
-    [("NVIDIA H100 80GB HBM3", H100, False), ("NVIDIA H200", H200, False), ("NVIDIA A100-SXM4-80GB", H200, True)],
+    ("gpu", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", H100),
+        ("NVIDIA H200", H200),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA A100-SXM4-80GB", None),
+        (None, None),
+    ],
 )
-def test_the_floor_follows_the_gpu_the_run_had(gpu: str, expected: Hardware, noted: bool) -> None:
-    hw, note = hardware_for(gpu)
-    assert hw is expected and (note is not None) == noted
-    if noted:
-        assert gpu in str(note) and "H200" in str(note)
+def test_the_floor_follows_the_gpu_the_run_had(gpu: str | None, expected: Hardware | None) -> None:
+    assert hardware_for(gpu) is expected
+
+
+def test_a_gpu_with_no_preset_gets_the_h200_floor_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    record: dict = {"machine": {"gpu": "NVIDIA A100-SXM4-80GB"}}
+    _against_floor(_args(), record, gpu_workload(), 19_000.0)
+    assert record["floor"]["hardware"] == H200.name and "ratio_to_minisglang_21100" not in record
+    assert "A100-SXM4-80GB" in record["floor_note"] and record["floor_note"] in capsys.readouterr().out
 
 
 def test_an_h100_run_gets_the_h100_floor_and_no_h200_reference(capsys: pytest.CaptureFixture[str]) -> None:

@@ -478,9 +478,10 @@ def _against_floor(args: argparse.Namespace, record: dict[str, Any], work: Workl
     config = _model_config(args)
     if config is None:
         return
-    hw, note = hardware_for(record.get("machine", {}).get("gpu"))
+    gpu = record.get("machine", {}).get("gpu")
+    preset = hardware_for(gpu)
     if args.load_format == "dummy" and not args.model_config:
-        if hw is H200 and note is None:
+        if preset is H200:
             record["ratio_to_minisglang_21100"] = ours / 21_100
             print(f"vs Mini-SGLang's reference on this shape, 21,100 tok/s: {ours / 21_100:.2f}x")
         else:
@@ -491,10 +492,12 @@ def _against_floor(args: argparse.Namespace, record: dict[str, Any], work: Workl
         print(f"no hardware floor: {exc}")
         return
     precision = precision_of(config, args.quantization, args.kv_cache_dtype)
-    if note:
+    if preset is None:
+        note = f"no floor rates for this GPU ({gpu or 'unknown'}): the H200's are used, so the ratio is only indicative"
         print(note)
         record["floor_note"] = note
-    result = floor(shape, work, precision, hw, chunk=args.chunked_prefill_size)  # _defaults set the engine's chunk
+    # _defaults set the engine's chunk
+    result = floor(shape, work, precision, preset or H200, chunk=args.chunked_prefill_size)
     record["floor"] = result.to_dict()
     record["ratio_to_floor"] = ours / result.tok_s
     record["ratio_to_kernel_floor"] = ours / result.kernel_tok_s

@@ -116,15 +116,13 @@ H100 = Hardware(
 GPUS: dict[str, Hardware] = {"h200": H200, "h100": H100}
 
 
-def hardware_for(gpu_name: str | None) -> tuple[Hardware, str | None]:
-    """The floor's rates for a GPU named as ``torch.cuda.get_device_name`` names it, and a note when there is no
-    preset for it (the H200's rates are used then, and the note says so)."""
+def hardware_for(gpu_name: str | None) -> Hardware | None:
+    """The preset for a GPU named as ``torch.cuda.get_device_name`` names it: the SXM H100 or H200, whose rates
+    the presets are; ``None`` for any other GPU (a PCIe or NVL card has other bandwidth or clocks)."""
     name = (gpu_name or "").upper()
-    for key, hw in GPUS.items():
-        if key.upper() in name:
-            return hw, None
-    shown = gpu_name or "unknown"
-    return H200, f"no floor rates for this GPU ({shown}): the H200's are used, so the ratio is only indicative"
+    if "PCIE" in name or "NVL" in name:
+        return None
+    return next((hw for key, hw in GPUS.items() if key.upper() in name), None)
 
 
 @dataclass(frozen=True)
