@@ -4,7 +4,7 @@
 # fp8_e4m3, which --attn auto decodes with XQA where the trtllm plugin runs), against Mini-SGLang bf16 on the same
 # shapes, then Qwen3-0.6B bf16 for both. SHAPES (default "qwen3-8b llama-3.1-8b") and VARIANTS (default "bf16 fp8
 # fp8kv"; also fp8kv-flashinfer, FlashInfer decoding the FP8 cache, and fp8kv-xqa, the pair named) pick what runs;
-# SMALL=0 leaves the 0.6B pair out. Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the
+# SMALL=0 leaves the 0.6B pair out, SMALL_VARIANTS (default bf16) names the 0.6B runs. Carry .whl and .peer (../shared/bench/peer/setup.sh). MINISGL_COMMIT names the
 # commit. Results in $OUT (the peer prints one JSON line per run, kept in log.txt). Each step is given its limit;
 # the call's LIMIT skips what no longer fits; RUN_STEP (default 90 s) is each engine run's (give the first run on a fresh
 # machine more: FlashInfer compiles its prefill kernels then); PEER_FIRST_STEP (default 300 s) is the peer's first
@@ -33,7 +33,10 @@ for shape in ${SHAPES:-qwen3-8b llama-3.1-8b}; do
   [ "${PEER:-1}" != 0 ] && { step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1 /tmp/peer-$shape; peer_step=${PEER_STEP:-240}; }
 done
 if [ "${SMALL:-1}" != 0 ]; then
-  step 60 $B --label offline-qwen3-0.6b-bf16
+  for variant in ${SMALL_VARIANTS:-bf16}; do
+    args=$(variant_args $variant) || continue
+    step 60 $B $args --label offline-qwen3-0.6b-$variant --trace-steps /tmp/trace-qwen3-0.6b-$variant.jsonl
+  done
   [ "${PEER:-1}" != 0 ] && step $peer_step $PEER_ENV python3 .peer/offline_peer.py 1
 fi
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"

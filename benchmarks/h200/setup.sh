@@ -32,14 +32,19 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up;
 # fp8kv-ragged and bf16-ragged are fp8kv and bf16 with FlashInfer's ragged prefill of fresh prompts on
 # (MINISGL_FLASHINFER_RAGGED=1; off by default), fp8kv-paged and bf16-paged with it off by name: its A/B.
+# A variant may end in -fcfs (--schedule-policy fcfs: the offline run in arrival order, as before the throughput
+# policy became the LLM's default) and, before that, in -stepN (--throughput-step-tokens N): bf16-step384-fcfs.
 variant_args() {
-  case $1 in
-    bf16|bf16-paged|bf16-ragged) echo "" ;;
-    fp8|fp8-unfused) echo "--quantization fp8" ;;
-    fp8kv|fp8kv-unfused|fp8kv-paged|fp8kv-ragged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3" ;;
-    fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer" ;;
-    fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa" ;;
-    *) echo "unknown variant $1 (bf16, bf16-paged, bf16-ragged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-ragged, fp8kv-flashinfer, fp8kv-xqa)" \
+  local v=$1 extra=""
+  case $v in *-fcfs) extra="--schedule-policy fcfs"; v=${v%-fcfs} ;; esac
+  case $v in *-step[0-9]*) extra="--throughput-step-tokens ${v##*-step} $extra"; v=${v%-step*} ;; esac
+  case $v in
+    bf16|bf16-paged|bf16-ragged) echo "$extra" ;;
+    fp8|fp8-unfused) echo "--quantization fp8 $extra" ;;
+    fp8kv|fp8kv-unfused|fp8kv-paged|fp8kv-ragged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 $extra" ;;
+    fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer $extra" ;;
+    fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa $extra" ;;
+    *) echo "unknown variant $1 (bf16, bf16-paged, bf16-ragged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-ragged, fp8kv-flashinfer, fp8kv-xqa; each may end in -stepN and -fcfs)" \
       | tee -a "$OUT/log.txt" >&2; return 1 ;;
   esac
 }
@@ -51,7 +56,7 @@ variant_env() {
   esac
 }
 prebuild_variants() {
-  case " $* " in *" fp8kv "*|*" fp8kv-xqa "*|*" fp8kv-unfused "*|*" fp8kv-paged "*|*" fp8kv-ragged "*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
+  case " $* " in *" fp8kv "*|*" fp8kv-"*) step 200 python3 plugins/minisgl-plugin-trtllm/gpu/prebuild.py fp8 ;; esac
 }
 # Mini-SGLang (carried in .peer by ../shared/bench/peer/setup.sh) with its wheels in /tmp/psite; PEER_ENV runs it.
 # Never on one path with this project: both are 'minisgl'.

@@ -81,9 +81,96 @@ def test_prefill_first_policy_pauses_streams(make_llm) -> None:
     assert chunks and all(all(not dec for _, _, dec in b) for b in chunks)
 
 
+# ---------------------------------------------------------------------- the throughput policy
+def _steps(llm, prompts, params) -> tuple[list[list[int]], list[tuple[int, int]], list]:  # type: ignore[no-untyped-def]
+    """Run to the end: the outputs, each step's (decodes, prompt tokens), and the requests."""
+    sched = llm.scheduler
+    steps: list[tuple[int, int]] = []
+    original = sched._launch
+
+    def spy(batch, before_sample):  # type: ignore[no-untyped-def]
+        prompt = sum(r.device_len - r.cached_len for r in batch.reqs if not r.is_decoding)
+        steps.append((sum(1 for r in batch.reqs if r.is_decoding), prompt))
+        return original(batch, before_sample)
+
+    sched._launch = spy
+    reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while sched.has_work:
+        sched.step()
+        llm.check_accounting()
+    return [list(r.output_ids) for r in reqs], steps, reqs
+
+
+# One long request and eight short ones with longer prompts, as a batch job brings them.
+PACE_PROMPTS = random_prompts([8, 40, 40, 40, 40, 40, 40, 40, 40], 512, seed=41)
+PACE_PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 6, 8, 10, 12, 6, 8, 10, 12)]
+
+
+def test_the_llm_defaults_to_the_throughput_policy_and_the_server_to_fcfs(make_llm) -> None:
+    from minisgl.config import EngineFields
+
+    assert make_llm().config.schedule_policy == "throughput"
+    assert EngineFields.model_fields["schedule_policy"].default == "fcfs"
+
+
+def test_throughput_policy_admits_the_longest_requests_first(make_llm) -> None:
+    prompts = random_prompts([5, 6, 7, 8], 512, seed=42)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 7)]
+    ends = {}
+    for policy in ("fcfs", "throughput"):
+        sched = make_llm(schedule_policy=policy, max_running_requests=1).scheduler
+        order = []
+        reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while sched.has_work:
+            order += [e.req.rid for e in sched.step() if e.finished]
+        ends[policy] = [next(i for i, r in enumerate(reqs) if r.rid == rid) for rid in order]
+    assert ends["fcfs"] == [0, 1, 2, 3]
+    assert ends["throughput"] == [1, 3, 2, 0]  # 9, 7, 5, 3 tokens
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_throughput_policy_paces_prompts_into_decode_steps(make_llm, overlap: bool) -> None:
+    """The short requests' prompts are computed beside the long one's decodes, a few per step, not all in the
+    first step; the outputs are those of arrival order, and the job takes no more steps than it."""
+    kw = {"chunked_prefill_size": 512, "throughput_step_tokens": 16, "overlap_schedule": overlap}
+    outs, steps = {}, {}
+    for policy in ("fcfs", "throughput"):
+        outs[policy], steps[policy], _ = _steps(make_llm(schedule_policy=policy, **kw), PACE_PROMPTS, PACE_PARAMS)
+    assert outs["throughput"] == outs["fcfs"]
+    total = sum(len(p) for p in PACE_PROMPTS)
+    assert steps["fcfs"][0][1] == total  # arrival order: every prompt in the first step
+    first_prompt = steps["throughput"][0][1]
+    assert 8 <= first_prompt <= 16, steps["throughput"][:3]  # the long request, then fill to 16 tokens
+    with_prompt = [s for s in steps["throughput"] if s[1]]
+    assert len(with_prompt) >= total // 16, steps["throughput"]
+    assert all(dec + prompt <= 16 for dec, prompt in steps["throughput"][1:] if prompt), steps["throughput"]
+    assert len(steps["throughput"]) <= len(steps["fcfs"]) + 1
+
+
+def test_throughput_policy_computes_more_to_keep_the_longest_requests_pace(make_llm) -> None:
+    """Where filling the steps would start a request too late to end with the longest one, the step computes
+    more prompt tokens: the job still ends when its longest request does."""
+    prompts = random_prompts([4] + [60] * 6, 512, seed=43)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 20, 20, 20, 20, 20, 20)]
+    kw = {"chunked_prefill_size": 512, "throughput_step_tokens": 2, "max_running_requests": 8}
+    outs, fcfs, _ = _steps(make_llm(schedule_policy="fcfs", **kw), prompts, params)
+    paced_outs, paced, _ = _steps(make_llm(schedule_policy="throughput", **kw), prompts, params)
+    assert paced_outs == outs
+    assert max(prompt for _, prompt in paced[1:]) > 2  # past the step target, for the deadlines
+    assert len(paced) <= len(fcfs) + 1
+
+
+def test_throughput_policy_with_preemption_gives_the_same_outputs(make_llm) -> None:
+    reference = _run(make_llm(schedule_policy="fcfs"), PREEMPT_PROMPTS, PREEMPT_PARAMS_MIXED, check_every_step=False)
+    llm = _preempting(make_llm, schedule_policy="throughput", throughput_step_tokens=4)
+    assert _run(llm, PREEMPT_PROMPTS, PREEMPT_PARAMS_MIXED) == reference
+    assert llm.scheduler.stats["preemptions"] > 0
+
+
 # ---------------------------------------------------------------------- admission and preemption
 PREEMPT_PROMPTS = random_prompts([12, 5, 20, 9, 16, 7], 512, seed=21)
 PREEMPT_PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PREEMPT_PARAMS_MIXED = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 9, 14, 6, 16, 11)]
 
 
 def _preempting(make_llm, **kwargs):  # type: ignore[no-untyped-def]

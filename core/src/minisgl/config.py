@@ -70,6 +70,20 @@ class EngineFields(BaseModel):
         "chunked_prefill_size prompt tokens (running streams never pause for a long prompt); off: a step is a "
         "prefill while prompt tokens wait, else a decode",
     )
+    schedule_policy: Literal["fcfs", "throughput"] = Field(
+        "fcfs",
+        description="which waiting prompts a step computes: fcfs = in arrival order, as many as "
+        "chunked_prefill_size allows (first tokens soonest; the server's default); throughput = longest max_tokens "
+        "first, paced into the decode steps so that each step carries about throughput_step_tokens tokens and no "
+        "request should end later than the longest one running (batch jobs; the offline LLM's default)",
+    )
+    throughput_step_tokens: int = Field(
+        256,
+        ge=1,
+        description="with schedule_policy throughput: the tokens (decodes plus prompt tokens) a step aims at, about "
+        "where the GPU's GEMMs turn from reading weights to computing; prompt tokens go past it only to keep the "
+        "longest request's pace",
+    )
     admit_reserve_tokens: int = Field(
         512,
         ge=0,

@@ -115,7 +115,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kernels": args.kernels,
     }
     # Passed only when given, so the defaults stay the engine's own.
-    for name in ("quantization", "kv_cache_dtype", "cuda_graph_max_tokens", "trace_steps"):
+    for name in (
+        "quantization", "kv_cache_dtype", "cuda_graph_max_tokens", "trace_steps", "schedule_policy",
+        "throughput_step_tokens",
+    ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.load_format == "dummy":
@@ -163,6 +166,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         "cuda_graphs": engine.graphs is not None,
         "cuda_graph_capture_seconds": engine.graphs.capture_seconds if engine.graphs is not None else None,
         "overlap_schedule": llm.scheduler.overlap,
+        "schedule_policy": llm.config.schedule_policy,
         "kv_pages": llm.scheduler.kv.num_pages,
         "config": {k: v for k, v in _engine_kwargs(args).items()},
     }
@@ -364,6 +368,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--quantization", default=None, help="weight quantization method (e.g. fp8); default: the engine's")
     p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (e.g. fp8_e4m3); default: the engine's")
+    p.add_argument(
+        "--schedule-policy",
+        choices=("fcfs", "throughput"),
+        default=None,
+        help="waiting prompts in arrival order, or longest first and paced (default: the offline LLM's, throughput)",
+    )
+    p.add_argument("--throughput-step-tokens", type=int, default=None, help="the throughput policy's step target")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (cpu workload)")
     p.add_argument("--temperature", type=float, default=None)

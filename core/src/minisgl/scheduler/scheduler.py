@@ -9,6 +9,12 @@ running request is preempted: its pages go back (its computed prefix to the pref
 returns to the front of the queue, and on re-admission its prompt and output are computed again as one prefill (the
 last token's logits sample the next one), so greedy and seeded outputs are those of an unpreempted run.
 
+``schedule_policy="throughput"`` (batch jobs) admits the longest ``max_tokens`` first and paces prompt tokens into
+the decode steps: a step computes enough of them to fill it to ``throughput_step_tokens`` (where the GEMMs turn
+from reading weights to computing, so those prompt tokens cost little), and more only when a waiting request would
+otherwise start too late to end with the longest running one. The prompts' compute then hides under the weight
+reads of the decode steps instead of running in steps of its own.
+
 A request with a grammar whose compiled form is not cached waits in ``COMPILING`` while a thread of the
 scheduler's compiles it (one at a time), and joins the queue when that is done: a slow grammar delays only its
 own request. Whoever drives the scheduler learns which of them were queued or refused from
@@ -26,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,6 +47,9 @@ from ..kvcache import KVCacheManager
 from .trace import StepClock, StepTrace
 
 logger = logging.getLogger(__name__)
+
+# Steps of slack the throughput policy leaves before a waiting request's latest start (overlap, rounding).
+_PACE_MARGIN_STEPS = 16
 
 
 @dataclass
@@ -80,6 +90,8 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.waiting: deque[Req] = deque()
+        self._longest_first = cfg.schedule_policy == "throughput"
+        self._waiting_unsorted = False  # throughput policy: requests joined the queue since it was last ordered
         self.running: list[Req] = []
         self._by_rid: dict[int, Req] = {}
         self._rids = itertools.count()
@@ -112,6 +124,8 @@ class Scheduler:
                 "chunked_prefill_size": cfg.chunked_prefill_size,
                 "max_running_requests": cfg.max_running_requests,
                 "mixed_prefill": cfg.mixed_prefill,
+                "schedule_policy": cfg.schedule_policy,
+                "throughput_step_tokens": cfg.throughput_step_tokens,
                 "admit_reserve_tokens": cfg.admit_reserve_tokens,
                 "overlap_schedule": cfg.overlap_schedule,
                 "cuda_graphs": engine.graphs is not None,
@@ -169,8 +183,16 @@ class Scheduler:
                     self._compiles[req.rid] = _Compile(req, done)
                 return req
             req.matcher = self.grammar.matcher(compiled)
-        self.waiting.append(req)
+        self._enqueue(req)
         return req
+
+    def _enqueue(self, req: Req, *, front: bool = False) -> None:
+        """Put ``req`` in the waiting queue (``front``: before the others, as a preempted request)."""
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+        self._waiting_unsorted = self._longest_first
 
     def _submit_compile(self, req: Req, kind: str, text: str) -> _Compile:
         assert self.grammar is not None
@@ -262,7 +284,7 @@ class Scheduler:
         assert self.grammar is not None
         req.matcher = self.grammar.matcher(compiled)
         req.status = ReqStatus.WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def abort(self, rid: int, reason: str = "abort") -> Req | None:
         """Finish request ``rid`` now (with ``reason``), returning its pages. None if unknown or done."""
@@ -439,14 +461,14 @@ class Scheduler:
     def _schedule(self, events: list[TokenEvent]) -> Batch | None:
         """This step's batch; the events of a batch in flight that had to be read first are added to ``events``."""
         if not self.config.mixed_prefill:
-            prefill = self._schedule_prefill(admit=True)
+            prefill = self._schedule_prefill(admit=True, decoding=None)
             if prefill:
                 return Batch(prefill, "prefill", sample_mask=[r.device_len == r.fill_len for r in prefill])
             decodes, _ = self._schedule_decodes(events)
             return Batch(decodes, "decode", sample_mask=[True] * len(decodes)) if decodes else None
         decodes, preempted = self._schedule_decodes(events)
         # No admission in a step that preempted: the pages it freed are for the running requests' growth.
-        prefill = self._schedule_prefill(admit=not preempted)
+        prefill = self._schedule_prefill(admit=not preempted, decoding=len(decodes))
         if prefill:
             reqs = decodes + prefill
             mask = [True] * len(decodes) + [r.device_len == r.fill_len for r in prefill]
@@ -490,17 +512,22 @@ class Scheduler:
         req.cached_len = req.device_len = 0
         req.preemptions += 1
         req.status = ReqStatus.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.stats["preemptions"] += 1
 
     def _reserve_len(self, req: Req) -> int:
         """Positions ``req`` reserves pages for at admission: its prefill and the estimate of its growth."""
         return req.fill_len + min(self.config.admit_reserve_tokens, req.max_new_tokens - len(req.output_ids))
 
-    def _schedule_prefill(self, *, admit: bool) -> list[Req]:
+    def _schedule_prefill(self, *, admit: bool, decoding: int | None) -> list[Req]:
         """Requests computing prefill tokens this step (``device_len`` set), up to ``chunked_prefill_size`` of
-        them; ``admit``: new requests may join."""
+        them (the throughput policy paces them beside ``decoding`` decodes; None: a prefill-only step);
+        ``admit``: new requests may join."""
+        if self._waiting_unsorted:
+            self._order_longest_first()
         budget = self.config.chunked_prefill_size
+        if self._longest_first and decoding is not None:
+            budget = self._paced_budget(decoding, budget)
         reqs: list[Req] = []
         # A request whose prefill was chunked continues first.
         for req in self.running:
@@ -530,6 +557,38 @@ class Scheduler:
             budget -= req.extend_len
             reqs.append(req)
         return reqs
+
+    def _order_longest_first(self) -> None:
+        """Order the queue for the throughput policy: preempted requests first (as they were), then the most
+        output tokens to go first; ties keep their arrival order."""
+        queued = sorted(self.waiting, key=lambda r: (r.preemptions == 0, len(r.output_ids) - r.max_new_tokens))
+        self.waiting.clear()
+        self.waiting.extend(queued)
+        self._waiting_unsorted = False
+
+    def _paced_budget(self, decoding: int, limit: int) -> int:
+        """The throughput policy's prompt tokens for a step with ``decoding`` decodes, at most ``limit``.
+
+        Enough to fill the step to ``throughput_step_tokens``, or more where a request must start sooner: the
+        longest running request ends in ``horizon`` steps, and a request with ``n`` output tokens to go starts
+        decoding by step ``horizon - n`` only if the prompt tokens queued up to it are computed by then. Only the
+        requests that could be admitted now are counted (the others wait for a running one to end anyway).
+        """
+        cfg = self.config
+        fill = cfg.throughput_step_tokens - decoding
+        partial = [r for r in self.running if r.cached_len < r.fill_len]
+        if not partial and not self.waiting:
+            return max(1, min(limit, fill))
+        slots = max(0, cfg.max_running_requests - len(self.running))
+        queued = list(itertools.islice(self.waiting, slots))
+        horizon = max((r.max_new_tokens - len(r.output_ids) for r in itertools.chain(self.running, queued)), default=0)
+        need = 0.0
+        tokens = 0
+        for r in itertools.chain(partial, queued):
+            tokens += r.fill_len - r.cached_len
+            steps = horizon - (r.max_new_tokens - len(r.output_ids)) - _PACE_MARGIN_STEPS
+            need = max(need, tokens / max(1, steps))
+        return max(1, min(limit, max(fill, math.ceil(need))))
 
     def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
         """Whether ``req`` waits (and so the queue behind it) for a longer prefix of its prompt that ``batch``
