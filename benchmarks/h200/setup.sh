@@ -32,11 +32,12 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # MINISGL_FP8_FUSE=0 for them: run `env $(variant_env NAME) CMD`), the A/B of the fused RMSNorm and SiLU x up;
 # fp8kv-ragged and bf16-ragged are fp8kv and bf16 with FlashInfer's ragged prefill of fresh prompts on
 # (MINISGL_FLASHINFER_RAGGED=1; off by default), fp8kv-paged and bf16-paged with it off by name: its A/B.
-# A variant may end in -fcfs (--schedule-policy fcfs: the offline run in arrival order, as before the throughput
-# policy became the LLM's default) and, before that, in -stepN (--throughput-step-tokens N): bf16-step384-fcfs.
+# A variant may end in -tput (--schedule-policy throughput: longest max_tokens first, prompts paced into the decode
+# steps) or -fcfs (the default policy, by name) and, before that, in -stepN (--throughput-step-tokens N):
+# bf16-step384-tput.
 variant_args() {
   local v=$1 extra=""
-  case $v in *-fcfs) extra="--schedule-policy fcfs"; v=${v%-fcfs} ;; esac
+  case $v in *-fcfs) extra="--schedule-policy fcfs"; v=${v%-fcfs} ;; *-tput) extra="--schedule-policy throughput"; v=${v%-tput} ;; esac
   case $v in *-step[0-9]*) extra="--throughput-step-tokens ${v##*-step} $extra"; v=${v%-step*} ;; esac
   case $v in
     bf16|bf16-paged|bf16-ragged) echo "$extra" ;;
@@ -44,7 +45,7 @@ variant_args() {
     fp8kv|fp8kv-unfused|fp8kv-paged|fp8kv-ragged) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 $extra" ;;
     fp8kv-flashinfer) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer $extra" ;;
     fp8kv-xqa) echo "--quantization fp8 --kv-cache-dtype fp8_e4m3 --attn flashinfer,trtllm-xqa $extra" ;;
-    *) echo "unknown variant $1 (bf16, bf16-paged, bf16-ragged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-ragged, fp8kv-flashinfer, fp8kv-xqa; each may end in -stepN and -fcfs)" \
+    *) echo "unknown variant $1 (bf16, bf16-paged, bf16-ragged, fp8, fp8-unfused, fp8kv, fp8kv-unfused, fp8kv-paged, fp8kv-ragged, fp8kv-flashinfer, fp8kv-xqa; each may end in -stepN and then -tput or -fcfs)" \
       | tee -a "$OUT/log.txt" >&2; return 1 ;;
   esac
 }

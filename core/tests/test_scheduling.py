@@ -106,11 +106,8 @@ PACE_PROMPTS = random_prompts([8, 40, 40, 40, 40, 40, 40, 40, 40], 512, seed=41)
 PACE_PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 6, 8, 10, 12, 6, 8, 10, 12)]
 
 
-def test_the_llm_defaults_to_the_throughput_policy_and_the_server_to_fcfs(make_llm) -> None:
-    from minisgl.config import EngineFields
-
-    assert make_llm().config.schedule_policy == "throughput"
-    assert EngineFields.model_fields["schedule_policy"].default == "fcfs"
+def test_fcfs_is_the_default_policy(make_llm) -> None:
+    assert make_llm().config.schedule_policy == "fcfs"
 
 
 def test_throughput_policy_admits_the_longest_requests_first(make_llm) -> None:

@@ -73,9 +73,11 @@ class EngineFields(BaseModel):
     schedule_policy: Literal["fcfs", "throughput"] = Field(
         "fcfs",
         description="which waiting prompts a step computes: fcfs = in arrival order, as many as "
-        "chunked_prefill_size allows (first tokens soonest; the server's default); throughput = longest max_tokens "
-        "first, paced into the decode steps so that each step carries about throughput_step_tokens tokens and no "
-        "request should end later than the longest one running (batch jobs; the offline LLM's default)",
+        "chunked_prefill_size allows (first tokens soonest); throughput = longest max_tokens first, paced into "
+        "the decode steps so that each step carries about throughput_step_tokens tokens and no request should end "
+        "later than the longest one running (batch jobs of large models: their prompts' compute hides under the "
+        "decode steps' weight reads; where a mixed step costs more on the host than a decode step on the device, "
+        "as for small models, it is slower)",
     )
     throughput_step_tokens: int = Field(
         256,

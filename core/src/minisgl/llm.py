@@ -29,15 +29,10 @@ class RequestOutput:
 
 class LLM:
     """An engine and scheduler in this process, for batch generation; keyword arguments are
-    :class:`~minisgl.config.EngineConfig` fields.
-
-    A batch job wants its last output soonest, not its first token, so ``schedule_policy`` defaults to
-    ``throughput`` here (longest ``max_tokens`` first, prompts paced into the decode steps); pass ``"fcfs"`` for
-    the server's arrival order.
-    """
+    :class:`~minisgl.config.EngineConfig` fields (a batch job of a large model may want
+    ``schedule_policy="throughput"``: docs/user-guide.md, "Scheduling for throughput")."""
 
     def __init__(self, model: str, *, registry: PluginRegistry | None = None, tokenizer: Any = None, **kwargs: Any):
-        kwargs.setdefault("schedule_policy", "throughput")
         self.config = EngineConfig(model=model, **kwargs)
         self._ranks: Any  # RankProcesses with tp > 1, else None
         self.scheduler, self._ranks, self.tokenizer = start_scheduler(self.config, registry, tokenizer)

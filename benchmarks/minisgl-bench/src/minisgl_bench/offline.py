@@ -372,7 +372,7 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule-policy",
         choices=("fcfs", "throughput"),
         default=None,
-        help="waiting prompts in arrival order, or longest first and paced (default: the offline LLM's, throughput)",
+        help="waiting prompts in arrival order, or longest first and paced (default: the engine's, fcfs)",
     )
     p.add_argument("--throughput-step-tokens", type=int, default=None, help="the throughput policy's step target")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
