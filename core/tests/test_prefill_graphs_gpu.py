@@ -122,6 +122,41 @@ def test_greedy_with_mixed_steps_matches_eager(pair: tuple[LLM, LLM]) -> None:
     assert exact >= len(prompts) * 3 // 4 and same > 0.9, f"{exact}/{len(prompts)} sequences equal, {same:.3f} tokens"
 
 
+def test_throughput_policy_paces_prompts_through_the_graphs(pair: tuple[LLM, LLM], model_dir: Path) -> None:
+    """schedule_policy throughput: the queue longest first, a few prompt tokens per step beside the decodes, all
+    replayed from the graphs; the tokens are those of arrival order (same near-tie tolerance as above)."""
+    graphs, _ = pair
+    paced = _llm(model_dir, graphs.config.attention_backend, MAX_TOKENS, schedule_policy="throughput",
+                 throughput_step_tokens=64)  # fmt: skip
+    prompts = random_prompts([5, 300, 17, 90, 1, 250, 64, 9, 128, 33, 400, 2], 512, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 8, 12, 30, 6, 10) * 2]
+    runner = paced.engine.prefill_graphs
+    assert runner is not None
+    steps: list[tuple[int, int]] = []
+    replay = runner.replay
+
+    def spy(b):  # type: ignore[no-untyped-def]
+        steps.append((sum(r.is_decoding for r in b.reqs), sum(r.extend_len for r in b.reqs if not r.is_decoding)))
+        return replay(b)
+
+    runner.replay = spy  # type: ignore[method-assign]
+    try:
+        got = [o.token_ids for o in paced.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del runner.replay
+    want = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    paced.check_accounting()
+    assert paced.kv_pages_in_use == 0
+    paced.close()
+    mixed = [s for s in steps if s[0]]
+    assert len(mixed) >= 10, f"{len(mixed)} mixed steps replayed: the prompts were not paced"
+    pairs = [(a, b) for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True)]
+    same = sum(a == b for a, b in pairs) / len(pairs)
+    exact = sum(x == y for x, y in zip(got, want, strict=True))
+    assert [len(x) for x in got] == [p.max_tokens for p in params]
+    assert exact >= len(prompts) * 3 // 4 and same > 0.9, f"{exact}/{len(prompts)} sequences equal, {same:.3f} tokens"
+
+
 def test_trace_marks_steps_past_the_graphs(model_dir: Path, tmp_path: Path) -> None:
     trace = tmp_path / "steps.jsonl"
     llm = _llm(model_dir, "torch", 64, trace_steps=str(trace), chunked_prefill_size=256)
