@@ -576,18 +576,32 @@ class Scheduler:
         """
         cfg = self.config
         fill = cfg.throughput_step_tokens - decoding
-        partial = [r for r in self.running if r.cached_len < r.fill_len]
+        if fill >= limit:
+            return limit
+        running = self.running
+        partial = [r for r in running if r.cached_len < r.fill_len]
         if not partial and not self.waiting:
-            return max(1, min(limit, fill))
-        slots = max(0, cfg.max_running_requests - len(self.running))
-        queued = list(itertools.islice(self.waiting, slots))
-        horizon = max((r.max_new_tokens - len(r.output_ids) for r in itertools.chain(self.running, queued)), default=0)
+            return max(1, fill)
+        queued = list(itertools.islice(self.waiting, max(0, cfg.max_running_requests - len(running))))
+        # Plain loops: this runs every step while prompts wait (a few hundred requests).
+        horizon = 0
+        for r in running:
+            left = r.max_new_tokens - len(r.output_ids)
+            if left > horizon:
+                horizon = left
+        for r in queued:
+            left = r.max_new_tokens - len(r.output_ids)
+            if left > horizon:
+                horizon = left
+        horizon -= _PACE_MARGIN_STEPS
         need = 0.0
         tokens = 0
-        for r in itertools.chain(partial, queued):
+        for r in partial + queued:
             tokens += r.fill_len - r.cached_len
-            steps = horizon - (r.max_new_tokens - len(r.output_ids)) - _PACE_MARGIN_STEPS
-            need = max(need, tokens / max(1, steps))
+            steps = horizon - r.max_new_tokens + len(r.output_ids)
+            rate = tokens / steps if steps > 1 else tokens
+            if rate > need:
+                need = rate
         return max(1, min(limit, max(fill, math.ceil(need))))
 
     def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
