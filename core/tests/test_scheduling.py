@@ -110,6 +110,11 @@ def test_fcfs_is_the_default_policy(make_llm) -> None:
     assert make_llm().config.schedule_policy == "fcfs"
 
 
+def test_an_unknown_policy_is_refused_by_name(make_llm) -> None:
+    with pytest.raises(ValidationError, match="schedule_policy.*'fcfs' or 'throughput'"):
+        make_llm(schedule_policy="lof")
+
+
 def test_throughput_policy_admits_the_longest_requests_first(make_llm) -> None:
     prompts = random_prompts([5, 6, 7, 8], 512, seed=42)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 7)]
