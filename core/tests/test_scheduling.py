@@ -82,8 +82,8 @@ def test_prefill_first_policy_pauses_streams(make_llm) -> None:
 
 
 # ---------------------------------------------------------------------- the throughput policy
-def _steps(llm, prompts, params) -> tuple[list[list[int]], list[tuple[int, int]], list]:  # type: ignore[no-untyped-def]
-    """Run to the end: the outputs, each step's (decodes, prompt tokens), and the requests."""
+def _steps(llm, prompts, params) -> tuple[list[list[int]], list[tuple[int, int]]]:  # type: ignore[no-untyped-def]
+    """:func:`_run`, also giving each step's (decodes, prompt tokens)."""
     sched = llm.scheduler
     steps: list[tuple[int, int]] = []
     original = sched._launch
@@ -94,11 +94,7 @@ def _steps(llm, prompts, params) -> tuple[list[list[int]], list[tuple[int, int]]
         return original(batch, before_sample)
 
     sched._launch = spy
-    reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    while sched.has_work:
-        sched.step()
-        llm.check_accounting()
-    return [list(r.output_ids) for r in reqs], steps, reqs
+    return _run(llm, prompts, params), steps
 
 
 # One long request and eight short ones with longer prompts, as a batch job brings them.
@@ -137,7 +133,7 @@ def test_throughput_policy_paces_prompts_into_decode_steps(make_llm, overlap: bo
     kw = {"chunked_prefill_size": 512, "throughput_step_tokens": 16, "overlap_schedule": overlap}
     outs, steps = {}, {}
     for policy in ("fcfs", "throughput"):
-        outs[policy], steps[policy], _ = _steps(make_llm(schedule_policy=policy, **kw), PACE_PROMPTS, PACE_PARAMS)
+        outs[policy], steps[policy] = _steps(make_llm(schedule_policy=policy, **kw), PACE_PROMPTS, PACE_PARAMS)
     assert outs["throughput"] == outs["fcfs"]
     total = sum(len(p) for p in PACE_PROMPTS)
     assert steps["fcfs"][0][1] == total  # arrival order: every prompt in the first step
@@ -155,8 +151,8 @@ def test_throughput_policy_computes_more_to_keep_the_longest_requests_pace(make_
     prompts = random_prompts([4] + [60] * 6, 512, seed=43)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 20, 20, 20, 20, 20, 20)]
     kw = {"chunked_prefill_size": 512, "throughput_step_tokens": 2, "max_running_requests": 8}
-    outs, fcfs, _ = _steps(make_llm(schedule_policy="fcfs", **kw), prompts, params)
-    paced_outs, paced, _ = _steps(make_llm(schedule_policy="throughput", **kw), prompts, params)
+    outs, fcfs = _steps(make_llm(schedule_policy="fcfs", **kw), prompts, params)
+    paced_outs, paced = _steps(make_llm(schedule_policy="throughput", **kw), prompts, params)
     assert paced_outs == outs
     assert max(prompt for _, prompt in paced[1:]) > 2  # past the step target, for the deadlines
     assert len(paced) <= len(fcfs) + 1

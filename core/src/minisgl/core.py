@@ -219,6 +219,11 @@ class Req:
         return len(self.input_ids) + self.max_new_tokens
 
     @property
+    def tokens_left(self) -> int:
+        """Output tokens it may still generate (``max_new_tokens`` less those the host has)."""
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
     def extend_len(self) -> int:
         return self.device_len - self.cached_len
 

@@ -517,7 +517,7 @@ class Scheduler:
 
     def _reserve_len(self, req: Req) -> int:
         """Positions ``req`` reserves pages for at admission: its prefill and the estimate of its growth."""
-        return req.fill_len + min(self.config.admit_reserve_tokens, req.max_new_tokens - len(req.output_ids))
+        return req.fill_len + min(self.config.admit_reserve_tokens, req.tokens_left)
 
     def _schedule_prefill(self, *, admit: bool, decoding: int | None) -> list[Req]:
         """Requests computing prefill tokens this step (``device_len`` set), up to ``chunked_prefill_size`` of
@@ -561,7 +561,7 @@ class Scheduler:
     def _order_longest_first(self) -> None:
         """Order the queue for the throughput policy: preempted requests first (as they were), then the most
         output tokens to go first; ties keep their arrival order."""
-        queued = sorted(self.waiting, key=lambda r: (r.preemptions == 0, len(r.output_ids) - r.max_new_tokens))
+        queued = sorted(self.waiting, key=lambda r: (r.preemptions == 0, -r.tokens_left))
         self.waiting.clear()
         self.waiting.extend(queued)
         self._waiting_unsorted = False
@@ -583,13 +583,10 @@ class Scheduler:
         if not partial and not self.waiting:
             return max(1, fill)
         queued = list(itertools.islice(self.waiting, max(0, cfg.max_running_requests - len(running))))
-        # Plain loops: this runs every step while prompts wait (a few hundred requests).
+        # Plain loops with ``tokens_left`` written out: this runs every step while prompts wait (a few hundred
+        # requests), and the property calls would cost a third more.
         horizon = 0
-        for r in running:
-            left = r.max_new_tokens - len(r.output_ids)
-            if left > horizon:
-                horizon = left
-        for r in queued:
+        for r in itertools.chain(running, queued):
             left = r.max_new_tokens - len(r.output_ids)
             if left > horizon:
                 horizon = left
