@@ -41,6 +41,7 @@ class Setup:
         seed: int,
         tensor_cores: bool | None = None,
         ragged: bool | None = None,
+        split_decode: bool | None = None,
     ):
         from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
 
@@ -68,7 +69,9 @@ class Setup:
             dtype=dtype,
             device=self.dev,
         )
-        self.fi = FlashInferAttnBackend(self.ctx, use_tensor_cores=tensor_cores, ragged_prefill=ragged)
+        self.fi = FlashInferAttnBackend(
+            self.ctx, use_tensor_cores=tensor_cores, ragged_prefill=ragged, split_decode=split_decode
+        )
         self.ref = TorchAttnBackend(self.ctx)
 
     def make_batch(self, phase: str, specs: list[tuple[int, int]]) -> Batch:
@@ -110,9 +113,12 @@ def _rerun(setup: Setup, batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torc
     q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
     out = torch.full((q.shape[0], hq, d), float("nan"), dtype=c.dtype, device=setup.dev)
     kv = (setup.pool.k_cache(layer), setup.pool.v_cache(layer))
+    s = meta.decode_tokens
     t = meta.paged_tokens if meta.ragged is not None else q.shape[0]
+    if meta.decode is not None:
+        meta.decode.run(q[:s], kv, out=out[:s])
     if meta.wrapper is not None:
-        meta.wrapper.run(q[:t], kv, out=out[:t])
+        meta.wrapper.run(q[s:t], kv, out=out[s:t])
     if meta.ragged is not None:
         meta.ragged.run(q[t:], k[t:], v[t:], out=out[t:])
     return out.view(-1, hq * d)
@@ -151,26 +157,33 @@ def test_prefill_with_cached_prefix_matches_torch(page_size: int, heads: int, kv
 # Rows with nothing cached at the end of the batch take the ragged kernel; the rest the paged one.
 MIXED_SPECS = [
     [(16, 1), (100, 64), (0, 37), (0, 200)],  # decode row and later chunk, then two fresh prompts
+    [(16, 1), (300, 1), (1000, 1), (7, 1), (100, 64), (0, 37)],  # decode rows first, as the scheduler puts them
     [(0, 37), (0, 1), (0, 300)],  # every row fresh: no paged kernel at all
     [(0, 37), (5, 20), (0, 64)],  # a fresh row before a cached one stays paged
 ]
 
 
+@pytest.mark.parametrize("split_decode", [False, True])
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("specs", MIXED_SPECS, ids=["mixed", "all-fresh", "interleaved"])
+@pytest.mark.parametrize("specs", MIXED_SPECS, ids=["mixed", "decodes-first", "all-fresh", "interleaved"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 def test_fresh_prompts_match_torch(
-    page_size: int, heads: int, kv_heads: int, specs: list[tuple[int, int]], ragged: bool
+    page_size: int, heads: int, kv_heads: int, specs: list[tuple[int, int]], ragged: bool, split_decode: bool
 ) -> None:
-    s = Setup(page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 31 + heads, ragged=ragged)
+    s = Setup(
+        page_size, heads, kv_heads, 128, torch.bfloat16, seed=page_size * 31 + heads, ragged=ragged,
+        split_decode=split_decode,
+    )  # fmt: skip
     batch = s.make_batch("prefill", specs)
     meta = _check(s, batch)
-    from minisgl_plugin_flashinfer.backend import ragged_split
+    from minisgl_plugin_flashinfer.backend import decode_rows, ragged_split
 
-    split = ragged_split(batch.reqs) if ragged else len(specs)
+    first = decode_rows(batch.reqs) if split_decode else 0
+    assert (meta.decode is not None) == (first > 0) and meta.decode_tokens == first
+    split = first + ragged_split(batch.reqs[first:]) if ragged else len(specs)
     assert (meta.ragged is not None) == (split < len(specs))
-    assert (meta.wrapper is not None) == (split > 0)
+    assert (meta.wrapper is not None) == (split > first)
     if meta.ragged is not None:
         assert meta.paged_tokens == sum(new for _, new in specs[:split])
 

@@ -101,3 +101,22 @@ def test_ragged_prefill_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch)
     assert ragged_prefill_setting(False) is False
     monkeypatch.setenv("MINISGL_FLASHINFER_RAGGED", "0")
     assert ragged_prefill_setting(None) is False
+
+
+def test_decode_rows_counts_the_leading_one_token_rows() -> None:
+    from minisgl_plugin_flashinfer.backend import decode_rows
+
+    from minisgl.core import Req, SamplingParams
+
+    def reqs(rows: list[tuple[int, int]]) -> list[Req]:
+        out = []
+        for i, (cached, new) in enumerate(rows):
+            r = Req(rid=i, input_ids=[0] * (cached + new), params=SamplingParams(), max_new_tokens=1)
+            r.cached_len, r.device_len = cached, cached + new
+            out.append(r)
+        return out
+
+    assert decode_rows(reqs([])) == 0
+    assert decode_rows(reqs([(9, 1), (30, 1), (5, 64), (0, 1)])) == 2
+    assert decode_rows(reqs([(0, 1), (9, 1)])) == 2  # a one-token prompt attends over its own K/V alone
+    assert decode_rows(reqs([(9, 1), (9, 2), (9, 1)])) == 1  # only the leading run

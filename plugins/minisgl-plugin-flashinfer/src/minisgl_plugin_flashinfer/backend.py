@@ -52,14 +52,22 @@ WORKSPACE_BYTES = 256 << 20
 class FlashInferMetadata:
     """The planned wrappers that every layer of this batch runs.
 
-    ``wrapper`` (paged, decode or prefill) computes the first ``paged_tokens`` tokens, all of them when
-    ``ragged`` is None; ``ragged`` the rest, over the K/V given to ``forward``. ``wrapper`` is None when the
-    ragged wrapper computes every token.
+    ``decode`` (a mixed batch with ``split_decode``) computes its first ``decode_tokens`` tokens, the decoding
+    rows, one token each; ``wrapper`` (paged, decode or prefill) the tokens after them up to ``paged_tokens``,
+    all the others when ``ragged`` is None; ``ragged`` the rest, over the K/V given to ``forward``. ``wrapper``
+    is None when no row is left to it.
     """
 
     wrapper: Any
     ragged: Any = None
     paged_tokens: int = 0
+    decode: Any = None
+    decode_tokens: int = 0
+
+    @property
+    def single(self) -> bool:
+        """Whether ``wrapper`` computes every token (one kernel, written to a fresh output)."""
+        return self.ragged is None and self.decode is None
 
 
 class FlashInferAttnBackend(BaseAttnBackend):
@@ -77,7 +85,12 @@ class FlashInferAttnBackend(BaseAttnBackend):
     supports_cuda_graph = True
 
     def __init__(
-        self, ctx: AttentionContext, *, use_tensor_cores: bool | None = None, ragged_prefill: bool | None = None
+        self,
+        ctx: AttentionContext,
+        *,
+        use_tensor_cores: bool | None = None,
+        ragged_prefill: bool | None = None,
+        split_decode: bool | None = None,
     ):
         if ctx.device.type != "cuda":
             raise ValueError(
@@ -105,6 +118,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
             use_tensor_cores = _flag_from_env("MINISGL_FLASHINFER_TENSOR_CORES")
         self.use_tensor_cores = group >= 2 if use_tensor_cores is None else use_tensor_cores
         self.ragged_prefill = ragged_prefill_setting(ragged_prefill)
+        self.split_decode = split_decode_setting(split_decode)
         # One float workspace shared by every wrapper: only one of them runs at a time (one stream).
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
@@ -177,8 +191,15 @@ class FlashInferAttnBackend(BaseAttnBackend):
             batch.attn_metadata = FlashInferMetadata(self.decode_wrapper)
             return
         reqs = batch.reqs
-        split = ragged_split(reqs) if self.ragged_prefill else len(reqs)
         meta = FlashInferMetadata(None)
+        first = decode_rows(reqs) if self.split_decode else 0
+        if 0 < first < len(reqs):
+            self._plan_decode(self.decode_wrapper, *self._page_lists(reqs[:first]))
+            meta.decode, meta.decode_tokens = self.decode_wrapper, first
+            reqs = reqs[first:]
+        else:
+            first = 0
+        split = ragged_split(reqs) if self.ragged_prefill else len(reqs)
         if split < len(reqs):
             qo = _indptr(r.extend_len for r in reqs[split:])
             self.ragged_wrapper.plan(
@@ -210,7 +231,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
                 non_blocking=True,
             )
             meta.wrapper = self.prefill_wrapper
-            meta.paged_tokens = int(paged_qo[-1])
+            meta.paged_tokens = first + int(paged_qo[-1])
+        else:
+            meta.paged_tokens = first
         batch.attn_metadata = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
@@ -222,13 +245,17 @@ class FlashInferAttnBackend(BaseAttnBackend):
         pool.store_kv(k, v, batch.out_loc, layer_id)
         kv = (pool.k_cache(layer_id), pool.v_cache(layer_id))
         q = q.view(-1, hq, d)
-        if meta.ragged is None:
-            return meta.wrapper.run(q, kv, **self._scale_args[layer_id]).view(-1, hq * d)
-        t = meta.paged_tokens
+        scales = self._scale_args[layer_id]
+        if meta.single:
+            return meta.wrapper.run(q, kv, **scales).view(-1, hq * d)
+        s, t = meta.decode_tokens, meta.paged_tokens
         out = torch.empty((q.shape[0], hq, d), dtype=q.dtype, device=q.device)
+        if meta.decode is not None:
+            meta.decode.run(q[:s], kv, out=out[:s], **scales)
         if meta.wrapper is not None:
-            meta.wrapper.run(q[:t], kv, out=out[:t], **self._scale_args[layer_id])
-        meta.ragged.run(q[t:], k[t:], v[t:], out=out[t:])
+            meta.wrapper.run(q[s:t], kv, out=out[s:t], **scales)
+        if meta.ragged is not None:
+            meta.ragged.run(q[t:], k[t:], v[t:], out=out[t:])
         return out.view(-1, hq * d)
 
     # ------------------------------------------------------------ CUDA graphs
@@ -278,6 +305,23 @@ def ragged_split(reqs: list[Req]) -> int:
     while split > 0 and reqs[split - 1].cached_len == 0:
         split -= 1
     return split
+
+
+def decode_rows(reqs: list[Req]) -> int:
+    """How many rows at the start of a mixed batch have one new token each (the decode kernel's shape): the
+    scheduler puts its decoding requests first."""
+    n = 0
+    while n < len(reqs) and reqs[n].extend_len == 1:
+        n += 1
+    return n
+
+
+def split_decode_setting(split_decode: bool | None) -> bool:
+    """Whether a backend built with ``split_decode`` computes a mixed batch's decoding rows with the decode
+    kernel: the argument when given, else ``MINISGL_FLASHINFER_SPLIT_DECODE``, else off."""
+    if split_decode is None:
+        split_decode = _flag_from_env("MINISGL_FLASHINFER_SPLIT_DECODE")
+    return bool(split_decode)
 
 
 def ragged_prefill_setting(ragged_prefill: bool | None) -> bool:
