@@ -34,9 +34,10 @@ step() { local t=$1; shift; local left=$((LIMIT - SECONDS)); [ $left -lt 30 ] &&
 # (MINISGL_FLASHINFER_RAGGED=1; off by default), fp8kv-paged and bf16-paged with it off by name: its A/B.
 # A variant may end in -tput (--schedule-policy throughput: longest max_tokens first, prompts paced into the decode
 # steps) or -fcfs (the default policy, by name) and, before that, in -stepN (--throughput-step-tokens N):
-# bf16-step384-tput.
+# bf16-step384-tput. A final -split runs it with FlashInfer's decode kernel for a mixed step's decoding rows
+# (MINISGL_FLASHINFER_SPLIT_DECODE=1): bf16-tput-split.
 variant_args() {
-  local v=$1 extra=""
+  local v=${1%-split} extra=""
   case $v in *-fcfs) extra="--schedule-policy fcfs"; v=${v%-fcfs} ;; *-tput) extra="--schedule-policy throughput"; v=${v%-tput} ;; esac
   case $v in *-step[0-9]*) extra="--throughput-step-tokens ${v##*-step} $extra"; v=${v%-step*} ;; esac
   case $v in
@@ -50,7 +51,10 @@ variant_args() {
   esac
 }
 variant_env() {
-  case $1 in
+  local v=${1%-split}
+  [ "$v" != "$1" ] && echo "MINISGL_FLASHINFER_SPLIT_DECODE=1"
+  v=${v%-tput}; v=${v%-fcfs}; v=${v%-step[0-9]*}
+  case $v in
     *-unfused) echo "MINISGL_FP8_FUSE=0" ;;
     *-paged) echo "MINISGL_FLASHINFER_RAGGED=0" ;;
     *-ragged) echo "MINISGL_FLASHINFER_RAGGED=1" ;;
