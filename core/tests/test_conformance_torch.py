@@ -341,3 +341,47 @@ def test_kit_runs_the_production_page_table_path(page_size: int) -> None:
     assert fresh.table_idx == 1  # other's row, reused: its stale entries are overwritten
     h.step([(fresh, 3), (hit, 1)])
     assert _RecordsTable.seen[-1][0] == h.manager.table[1, :3].tolist()
+
+
+class _AttendsStored(TorchAttnBackend):
+    """The reference, advertising its attend_stored: the kit runs odd layers of prefill steps through it."""
+
+    supports_attend_stored = True
+
+
+class _AttendStoredLeavesOutput(_AttendsStored):
+    def attend_stored(self, q, k, v, layer_id, batch, out):  # type: ignore[no-untyped-def]
+        pass  # the given buffer keeps its NaN
+
+
+class _AttendStoredStoresAgain(_AttendsStored):
+    def attend_stored(self, q, k, v, layer_id, batch, out):  # type: ignore[no-untyped-def]
+        # Stores the wrong layer's K/V on top of what the pool already holds.
+        hkv, d = self.ctx.num_kv_heads, self.ctx.head_dim
+        self.ctx.kv_pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, 1 - layer_id)
+        super().attend_stored(q, k, v, layer_id, batch, out)
+
+
+class _AttendStoredShiftsRows(_AttendsStored):
+    def attend_stored(self, q, k, v, layer_id, batch, out):  # type: ignore[no-untyped-def]
+        super().attend_stored(q, k, v, layer_id, batch, out)
+        out.copy_(out.roll(1, dims=0))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_kit_runs_attend_stored_of_a_backend_that_supports_it(kv_cache_dtype: str) -> None:
+    calls: list[int] = []
+
+    class Counted(_AttendsStored):
+        def attend_stored(self, q, k, v, layer_id, batch, out):  # type: ignore[no-untyped-def]
+            calls.append(layer_id)
+            super().attend_stored(q, k, v, layer_id, batch, out)
+
+    _run_all_scenarios(Counted, kv_cache_dtype)
+    assert calls and set(calls) == {1}  # the odd layer of every prefill step; the even one runs forward
+
+
+@pytest.mark.parametrize("broken", [_AttendStoredLeavesOutput, _AttendStoredStoresAgain, _AttendStoredShiftsRows])
+def test_kit_rejects_broken_attend_stored(broken: type) -> None:
+    with pytest.raises(AssertionError):
+        _run_all_scenarios(broken)

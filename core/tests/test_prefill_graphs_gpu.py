@@ -22,7 +22,14 @@ from minisgl.testing.models import prefill_logits, random_prompts, save_tiny_mod
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("minisgl_plugin_llama", reason="the tests use the llama-family plugin's models")
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-BACKENDS = ["torch", pytest.param("flashinfer", marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer"))]
+_NEEDS_FLASHINFER = pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer")
+# (backend, KV cache dtype): flashinfer stores K/V inside the graphs' pieces (supports_attend_stored), over a
+# bf16 and over an FP8 cache; the torch reference through its forward between them.
+BACKENDS = [
+    pytest.param(("torch", "auto"), id="torch"),
+    pytest.param(("flashinfer", "auto"), id="flashinfer", marks=_NEEDS_FLASHINFER),
+    pytest.param(("flashinfer", "fp8_e4m3"), id="flashinfer-fp8kv", marks=_NEEDS_FLASHINFER),
+]
 MODELS = {
     "Qwen3ForCausalLM": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128},
     "LlamaForCausalLM": {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64},
@@ -47,9 +54,11 @@ def _llm(path: Path, attn: str, max_tokens: int, **kw: object) -> LLM:
 @pytest.fixture(scope="module", params=BACKENDS)
 def pair(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[LLM, LLM]]:
     """The same model with prefill graphs and without."""
-    graphs = _llm(model_dir, request.param, MAX_TOKENS)
-    eager = _llm(model_dir, request.param, 0)
+    attn, kv_dtype = request.param
+    graphs = _llm(model_dir, attn, MAX_TOKENS, kv_cache_dtype=kv_dtype)
+    eager = _llm(model_dir, attn, 0, kv_cache_dtype=kv_dtype)
     assert graphs.engine.prefill_graphs is not None and eager.engine.prefill_graphs is None
+    assert (graphs.engine.prefill_graphs.kv_pool is not None) == (attn == "flashinfer")
     assert graphs.engine.prefill_graphs.max_tokens == MAX_TOKENS  # below chunked_prefill + running (528)
     yield graphs, eager
     graphs.close()
@@ -127,7 +136,7 @@ def test_throughput_policy_paces_prompts_through_the_graphs(pair: tuple[LLM, LLM
     replayed from the graphs; the tokens are those of arrival order (same near-tie tolerance as above)."""
     graphs, _ = pair
     paced = _llm(model_dir, graphs.config.attention_backend, MAX_TOKENS, schedule_policy="throughput",
-                 throughput_step_tokens=64)  # fmt: skip
+                 throughput_step_tokens=64, kv_cache_dtype=graphs.config.kv_cache_dtype)  # fmt: skip
     prompts = random_prompts([5, 300, 17, 90, 1, 250, 64, 9, 128, 33, 400, 2], 512, seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 8, 12, 30, 6, 10) * 2]
     runner = paced.engine.prefill_graphs

@@ -37,6 +37,9 @@ class BaseAttnBackend(ABC):
     req.device_len)``, store their K/V at ``batch.out_loc``, then attend causally to everything before them."""
 
     supports_cuda_graph: bool = False
+    #: Whether :meth:`attend_stored` is implemented. The prefill CUDA graphs then store each layer's K/V inside their
+    #: captured pieces and call :meth:`attend_stored` between them, so only the attention kernels launch from Python.
+    supports_attend_stored: bool = False
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
@@ -45,6 +48,14 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """Store ``k``/``v`` and attend. ``q``: ``[tokens, qo_heads * head_dim]``; returns the same shape."""
+
+    def attend_stored(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch, out: torch.Tensor
+    ) -> None:
+        """:meth:`forward` of a prefill or mixed batch whose ``k``/``v`` are already in the pool at
+        ``batch.out_loc`` (stored by :meth:`~minisgl.kvcache.BaseKVPool.store_kv`), written into ``out``
+        (``[tokens, qo_heads * head_dim]``) instead of a new tensor."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement attend_stored()")
 
     def init_capture_graph(self, max_seq_len: int, batch_sizes: list[int]) -> None:
         """Allocate static buffers for capturing decode graphs of these batch sizes."""
@@ -65,6 +76,7 @@ class HybridAttnBackend(BaseAttnBackend):
     def __init__(self, prefill: BaseAttnBackend, decode: BaseAttnBackend):
         self.prefill, self.decode = prefill, decode
         self.supports_cuda_graph = decode.supports_cuda_graph
+        self.supports_attend_stored = prefill.supports_attend_stored  # prefill graphs run prefill batches only
 
     def _pick(self, batch: Batch) -> BaseAttnBackend:
         return self.prefill if batch.is_prefill else self.decode
@@ -74,6 +86,11 @@ class HybridAttnBackend(BaseAttnBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         return self._pick(batch).forward(q, k, v, layer_id, batch)
+
+    def attend_stored(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch, out: torch.Tensor
+    ) -> None:
+        self._pick(batch).attend_stored(q, k, v, layer_id, batch, out)
 
     def init_capture_graph(self, max_seq_len: int, batch_sizes: list[int]) -> None:
         self.decode.init_capture_graph(max_seq_len, batch_sizes)

@@ -45,10 +45,24 @@ class TorchAttnBackend(BaseAttnBackend):
         batch.attn_metadata = TorchAttnMetadata(kv_index.reshape(-1), mask.unsqueeze(1), q_batch * max_q + q_offset)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        ctx, meta = self.ctx, batch.attn_metadata
-        assert batch.out_loc is not None and isinstance(meta, TorchAttnMetadata)
-        hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
+        ctx = self.ctx
+        assert batch.out_loc is not None
+        hkv, d = ctx.num_kv_heads, ctx.head_dim
         ctx.kv_pool.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), batch.out_loc, layer_id)
+        return self._over_pool(q, layer_id, batch)
+
+    # Implemented, not advertised (``supports_attend_stored`` stays False): a subclass that overrides forward
+    # with its own kernels would otherwise have the prefill graphs run this reference instead.
+    def attend_stored(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch, out: torch.Tensor
+    ) -> None:
+        out.copy_(self._over_pool(q, layer_id, batch))
+
+    def _over_pool(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """Attention of ``q`` over the pool, this step's K/V stored."""
+        ctx, meta = self.ctx, batch.attn_metadata
+        assert isinstance(meta, TorchAttnMetadata)
+        hq, hkv, d = ctx.num_qo_heads, ctx.num_kv_heads, ctx.head_dim
         bsz, _, max_q, max_kv = meta.mask.shape
         decode = max_q == 1  # one new token per request: the flat order is already the padded order
         if decode:

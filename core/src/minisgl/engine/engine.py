@@ -337,7 +337,9 @@ class Engine:
         max_tokens = min(cfg.cuda_graph_max_tokens, cfg.chunked_prefill_size + cfg.max_running_requests)
         if self.device.type != "cuda" or max_tokens <= 0 or not self._moe_capturable():
             return None  # attention runs eagerly between the graphs: any backend will do
-        return PrefillGraphRunner(self.model, self.attn, max_tokens=max_tokens, device=self.device)
+        return PrefillGraphRunner(
+            self.model, self.attn, max_tokens=max_tokens, device=self.device, kv_pool=self.kv_pool
+        )
 
     @property
     def prefill_graph_max_tokens(self) -> int:

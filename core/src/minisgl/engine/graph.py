@@ -18,6 +18,7 @@ from ..layers import ForwardContext
 
 if TYPE_CHECKING:
     from ..attention import BaseAttnBackend
+    from ..kvcache import BaseKVPool
     from ..models import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class _AttentionSplit:
         sq.copy_(q)
         sk.copy_(k)
         sv.copy_(v)
+        self.runner.store(sk, sv, layer_id, self.rows)
         if self.pool is not None:
             self.segments[-1].capture_end()
             self.calls.append(_AttentionCall(layer_id, sq, sk, sv, out))
@@ -162,11 +164,24 @@ class PrefillGraphRunner:
     attention in between, over static q/k/v buffers shared by every layer and size. Without this a small model's
     mixed step is launch-bound: its host launches a few hundred kernels one by one while the GPU waits.
 
+    With ``kv_pool`` and a backend that :attr:`~minisgl.attention.BaseAttnBackend.supports_attend_stored`, each
+    piece also stores its layer's K/V (at a static copy of ``out_loc``; the padding tokens' at scratch slot 0),
+    and the backend's ``attend_stored`` writes into the static output: between two pieces the host then launches
+    the attention kernels and nothing else.
+
     The model's forward must be capturable apart from its attention calls (what decode graphs need too); the
     tokens past a batch's own, up to its size, run on the previous step's ids and positions and are dropped.
     """
 
-    def __init__(self, model: CausalLM, attn: BaseAttnBackend, *, max_tokens: int, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        attn: BaseAttnBackend,
+        *,
+        max_tokens: int,
+        device: torch.device,
+        kv_pool: BaseKVPool | None = None,
+    ):
         self.model = model
         self.attn = attn
         self.device = device
@@ -174,6 +189,9 @@ class PrefillGraphRunner:
         self.max_tokens = self.sizes[-1]
         self.ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        #: The pool the pieces store K/V into (None: the backend's forward stores them, between the pieces).
+        self.kv_pool = kv_pool if kv_pool is not None and attn.supports_attend_stored else None
+        self.out_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         self._buffers: dict[tuple[int, int, int, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self.hidden: torch.Tensor | None = None  # the final hidden states, written by every graph's last segment
         self.graphs: dict[int, _PiecewiseGraph] = {}
@@ -183,8 +201,19 @@ class PrefillGraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         used_gib = (free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 30)
         pieces = len(next(iter(self.graphs.values())).segments)
-        msg = "captured %d prefill CUDA graphs of %d pieces (%d..%d tokens) in %.2fs, using %.2f GiB"
-        logger.info(msg, len(self.graphs), pieces, self.sizes[0], self.max_tokens, self.capture_seconds, used_gib)
+        msg = "captured %d prefill CUDA graphs of %d pieces (%d..%d tokens%s) in %.2fs, using %.2f GiB"
+        stores = ", K/V stores inside" if self.kv_pool is not None else ""
+        args = (len(self.graphs), pieces, self.sizes[0], self.max_tokens, stores, self.capture_seconds, used_gib)
+        logger.info(msg, *args)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, rows: int) -> None:
+        """Inside a piece: layer ``layer_id``'s K/V (``[rows, kv_heads * head_dim]``) into the pool at the static
+        ``out_loc``, when the pieces store them."""
+        if self.kv_pool is None:
+            return
+        layout = self.kv_pool.layout
+        shape = (rows, layout.num_kv_heads, layout.head_dim)
+        self.kv_pool.store_kv(k.view(shape), v.view(shape), self.out_loc[:rows], layer_id)
 
     def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
         """Static q, k, v and output buffers (their first ``rows`` rows) for attention inputs shaped like these."""
@@ -227,11 +256,27 @@ class PrefillGraphRunner:
         """Hidden states ``[tokens, hidden]`` of prefill ``batch`` (tensors and attention metadata prepared)."""
         assert batch.input_ids is not None and batch.positions is not None and self.hidden is not None
         n = batch.input_ids.numel()
-        graph = self.graphs[next(s for s in self.sizes if s >= n)]
+        size = next(s for s in self.sizes if s >= n)
+        graph = self.graphs[size]
         self.ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
+        stored = self.kv_pool is not None
+        if stored:
+            assert batch.out_loc is not None
+            self.out_loc[:n].copy_(batch.out_loc)
+            self.out_loc[n:size].zero_()  # the padding tokens' K/V go to scratch slot 0, not to last step's slots
         graph.segments[0].replay()
+        # Every call of a size reads and writes the same static buffers: their views are made once per step.
+        views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        attn = self.attn
         for call, segment in zip(graph.calls, graph.segments[1:], strict=True):
-            call.out[:n].copy_(self.attn.forward(call.q[:n], call.k[:n], call.v[:n], call.layer_id, batch))
+            view = views.get(id(call.out))
+            if view is None:
+                view = views[id(call.out)] = (call.q[:n], call.k[:n], call.v[:n], call.out[:n])
+            q, k, v, out = view
+            if stored:
+                attn.attend_stored(q, k, v, call.layer_id, batch, out)
+            else:
+                out.copy_(attn.forward(q, k, v, call.layer_id, batch))
             segment.replay()
         return self.hidden[:n]

@@ -266,7 +266,13 @@ class AttentionHarness:
             parts = self._randn(tokens, (hq + 2 * hkv) * d).split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = parts if layer % 2 else (p.contiguous() for p in parts)
             q0, k0, v0 = q.clone(), k.clone(), v.clone()
-            out = self.backend.forward(q, k, v, layer, batch)
+            if layer % 2 and phase == "prefill" and self.backend.supports_attend_stored:
+                # As the prefill graphs run it: K/V stored by the pool first, the output into a given buffer.
+                self.pool.store_kv(k.view(tokens, hkv, d), v.view(tokens, hkv, d), batch.out_loc, layer)
+                out = torch.full((tokens, hq * d), float("nan"), dtype=self.dtype, device=self.device)
+                self.backend.attend_stored(q, k, v, layer, batch, out)
+            else:
+                out = self.backend.forward(q, k, v, layer, batch)
             want = self.reference.forward(q0.clone(), k0.clone(), v0.clone(), layer, ref_batch)
             at = f"{where}, layer {layer}"
             assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0), f"{at}: forward modified q, k or v"

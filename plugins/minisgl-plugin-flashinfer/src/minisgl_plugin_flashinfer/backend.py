@@ -83,6 +83,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
     """
 
     supports_cuda_graph = True
+    supports_attend_stored = True  # the prefill graphs store K/V inside their pieces
 
     def __init__(
         self,
@@ -240,23 +241,45 @@ class FlashInferAttnBackend(BaseAttnBackend):
         c, meta = self.ctx, batch.attn_metadata
         assert isinstance(meta, FlashInferMetadata) and batch.out_loc is not None
         hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
-        pool = c.kv_pool
         k, v = k.view(-1, hkv, d), v.view(-1, hkv, d)
-        pool.store_kv(k, v, batch.out_loc, layer_id)
-        kv = (pool.k_cache(layer_id), pool.v_cache(layer_id))
-        q = q.view(-1, hq, d)
-        scales = self._scale_args[layer_id]
+        c.kv_pool.store_kv(k, v, batch.out_loc, layer_id)
         if meta.single:
-            return meta.wrapper.run(q, kv, **scales).view(-1, hq * d)
+            kv = (c.kv_pool.k_cache(layer_id), c.kv_pool.v_cache(layer_id))
+            return meta.wrapper.run(q.view(-1, hq, d), kv, **self._scale_args[layer_id]).view(-1, hq * d)
+        out = torch.empty((q.shape[0], hq * d), dtype=q.dtype, device=q.device)
+        self._attend(meta, q.view(-1, hq, d), k, v, layer_id, out.view(-1, hq, d))
+        return out
+
+    def attend_stored(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch, out: torch.Tensor
+    ) -> None:
+        meta, c = batch.attn_metadata, self.ctx
+        assert isinstance(meta, FlashInferMetadata)
+        hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
+        self._attend(meta, q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d), layer_id, out.view(-1, hq, d))
+
+    def _attend(
+        self,
+        meta: FlashInferMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        out: torch.Tensor,
+    ) -> None:
+        """The planned kernels over the pool (K/V of this step stored), into ``out`` (``[tokens, heads, d]``)."""
+        pool, scales = self.ctx.kv_pool, self._scale_args[layer_id]
+        kv = (pool.k_cache(layer_id), pool.v_cache(layer_id))
+        if meta.single:
+            meta.wrapper.run(q, kv, out=out, **scales)
+            return
         s, t = meta.decode_tokens, meta.paged_tokens
-        out = torch.empty((q.shape[0], hq, d), dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             meta.decode.run(q[:s], kv, out=out[:s], **scales)
         if meta.wrapper is not None:
             meta.wrapper.run(q[s:t], kv, out=out[s:t], **scales)
         if meta.ragged is not None:
             meta.ragged.run(q[t:], k[t:], v[t:], out=out[t:])
-        return out.view(-1, hq * d)
 
     # ------------------------------------------------------------ CUDA graphs
     def init_capture_graph(self, max_seq_len: int, batch_sizes: list[int]) -> None:
