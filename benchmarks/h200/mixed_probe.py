@@ -12,6 +12,7 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import os
 import pstats
 import random
 import sys
@@ -58,6 +59,10 @@ class HostSplit:
 
 def main() -> None:
     config, out = sys.argv[1], sys.argv[2]
+    if os.environ.get("PROBE_STORE_OUTSIDE") == "1":  # the A/B of stores inside the prefill graphs' pieces
+        from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
+
+        FlashInferAttnBackend.supports_attend_stored = False
     chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 160
     llm = LLM(
         "probe", load_format="dummy", hf_config_path=config, device="cuda", dtype="bfloat16",
@@ -72,7 +77,11 @@ def main() -> None:
         sched.step()
     for _ in range(10):
         sched.step()
-    result: dict = {"chunk": chunk, "decodes": len(sched.running)}
+    result: dict = {
+        "chunk": chunk,
+        "decodes": len(sched.running),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MINISGL_", "PROBE_"))},
+    }
     engine = llm.engine
     split = HostSplit()
     split.wrap(sched, "step", "scheduler_step")
