@@ -13,5 +13,5 @@ for run in ${RUNS:-0-in 1-in 0-out}; do
   step ${PROBE_STEP:-150} env MINISGL_FLASHINFER_SPLIT_DECODE=${run%-*} PROBE_STORE_OUTSIDE=$([ ${run#*-} = out ] && echo 1 || echo 0) \
     python3 benchmarks/h200/mixed_probe.py "$CONFIG" "$OUT/mixed-probe-split$run.json" ${CHUNK:-160}
 done
-step 150 python3 -m pytest -q -x plugins/minisgl-plugin-flashinfer/tests -p no:cacheprovider
+step 200 python3 -m pytest -q plugins/minisgl-plugin-flashinfer/tests core/tests/test_prefill_graphs_gpu.py -p no:cacheprovider
 echo "=== done in ${SECONDS}s" | tee -a "$OUT/log.txt"
