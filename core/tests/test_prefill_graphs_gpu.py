@@ -55,6 +55,8 @@ def _llm(path: Path, attn: str, max_tokens: int, **kw: object) -> LLM:
 def pair(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[LLM, LLM]]:
     """The same model with prefill graphs and without."""
     attn, kv_dtype = request.param
+    if kv_dtype != "auto" and not model_dir.name.startswith("Qwen3"):
+        pytest.skip("the FP8 cache through the graphs: one model is enough (each head size compiles its kernels)")
     graphs = _llm(model_dir, attn, MAX_TOKENS, kv_cache_dtype=kv_dtype)
     eager = _llm(model_dir, attn, 0, kv_cache_dtype=kv_dtype)
     assert graphs.engine.prefill_graphs is not None and eager.engine.prefill_graphs is None

@@ -163,12 +163,28 @@ MIXED_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("split_decode", [False, True])
+MIXED_IDS = ["mixed", "decodes-first", "all-fresh", "interleaved"]
+
+
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("specs", MIXED_SPECS, ids=["mixed", "decodes-first", "all-fresh", "interleaved"])
+@pytest.mark.parametrize("specs", MIXED_SPECS, ids=MIXED_IDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 def test_fresh_prompts_match_torch(
+    page_size: int, heads: int, kv_heads: int, specs: list[tuple[int, int]], ragged: bool
+) -> None:
+    _check_mixed(page_size, heads, kv_heads, specs, ragged, split_decode=False)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("specs", MIXED_SPECS, ids=MIXED_IDS)
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_split_decode_matches_torch(heads: int, kv_heads: int, specs: list[tuple[int, int]], ragged: bool) -> None:
+    """split_decode: a mixed batch's leading one-token rows through the decode kernel."""
+    _check_mixed(16, heads, kv_heads, specs, ragged, split_decode=True)
+
+
+def _check_mixed(
     page_size: int, heads: int, kv_heads: int, specs: list[tuple[int, int]], ragged: bool, split_decode: bool
 ) -> None:
     s = Setup(
