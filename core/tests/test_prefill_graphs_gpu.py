@@ -181,3 +181,24 @@ def test_trace_marks_steps_past_the_graphs(model_dir: Path, tmp_path: Path) -> N
     assert header.get("prefill_graph_max_tokens") == 64, header
     events = [step.get("events", []) for step in steps]
     assert [e for e in events if any(x.startswith("prefill_eager") for x in e)] == [["prefill_eager:tokens=200"]]
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer")
+def test_chunks_launched_ahead_of_a_busy_device(model_dir: Path) -> None:
+    """One long prompt in 32-token chunks with nothing else running: the chunks sample nothing, so the host
+    launches them without waiting for the device, and with the device kept busy first, it launches all of
+    them before the first runs. The tokens equal those of the same run with the device keeping up (a backend
+    that reuses a host buffer per step, as FlashInfer's plans do, must not let a later step overwrite it)."""
+    llm = _llm(model_dir, "flashinfer", MAX_TOKENS, chunked_prefill_size=32, prefix_cache="naive")
+    prompts = random_prompts([300, 200], 512, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(300_000_000)  # the device busy for a while before the first chunk
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.check_accounting()
+        assert llm.kv_pages_in_use == 0
+    finally:
+        llm.close()
+    assert got == want

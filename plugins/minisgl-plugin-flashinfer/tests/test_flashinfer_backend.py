@@ -74,11 +74,12 @@ class Setup:
         )
         self.ref = TorchAttnBackend(self.ctx)
 
-    def make_batch(self, phase: str, specs: list[tuple[int, int]]) -> Batch:
-        """``specs``: (cached tokens, new tokens) per request; pages placed at random."""
+    def make_batch(self, phase: str, specs: list[tuple[int, int]], first_row: int = 0) -> Batch:
+        """``specs``: (cached tokens, new tokens) per request, in page-table rows from ``first_row``; pages
+        placed at random."""
         reqs = []
         locs = []
-        for row, (cached, new) in enumerate(specs):
+        for row, (cached, new) in enumerate(specs, start=first_row):
             total = cached + new
             pages = [self.free_pages.pop() for _ in range(-(-total // self.page_size))]
             slots = (torch.tensor(pages).view(-1, 1) * self.page_size + torch.arange(self.page_size)).view(-1)
@@ -294,3 +295,27 @@ def test_rejects_unsupported_head_dim() -> None:
     )
     with pytest.raises(ValueError, match="head_dim 96 is not supported"):
         FlashInferAttnBackend(ctx)
+
+
+def test_a_plan_is_not_overwritten_before_its_copy_runs() -> None:
+    """Two batches planned on one wrapper while the device is still busy, as when the host runs steps ahead
+    (the chunks of a long prompt, which sample nothing): the first batch must run with its own plan. FlashInfer
+    copies a plan to the device from one page-locked buffer per wrapper, in stream order, so without the wait
+    the second plan would be what the first batch's kernels read."""
+    s = Setup(16, 16, 4, 128, torch.bfloat16, seed=11)
+    first = s.make_batch("prefill", [(160, 160)])  # a later chunk of a long prompt
+    second = s.make_batch("prefill", [(320, 160), (0, 700)], first_row=1)  # more requests, tiles and KV
+    q1, k1, v1 = s.qkv(160)
+    q2, k2, v2 = s.qkv(860)
+    torch.cuda._sleep(300_000_000)  # keeps the device busy well past the host's work below
+    s.fi.prepare_metadata(first)
+    out1 = s.fi.forward(q1, k1, v1, 0, first)
+    s.fi.prepare_metadata(second)
+    out2 = s.fi.forward(q2, k2, v2, 0, second)
+    torch.cuda.synchronize()
+    for batch, (q, k, v), out in ((first, (q1, k1, v1), out1), (second, (q2, k2, v2), out2)):
+        s.ref.prepare_metadata(batch)
+        ref = s.ref.forward(q, k, v, 0, batch)
+        assert torch.isfinite(out).all()
+        err = _rel_err(out, ref)
+        assert err < 1e-2, f"relative error {err:.2e} against the torch backend"

@@ -11,6 +11,12 @@ every layer. Host-side inputs to ``plan`` (index pointers, last-page lengths)
 stay on the CPU, which is what FlashInfer's scheduler reads; only the page
 indices live on the device.
 
+A wrapper's plan is written into one page-locked host buffer of the wrapper and copied to the device
+asynchronously, in stream order. A wrapper is therefore planned again only once the copy of its previous plan
+has run (an event per wrapper). Otherwise a host running steps ahead of the device rewrites that buffer before
+the copy reads it, and the earlier step runs with the later step's plan. The host runs ahead when steps sample
+nothing: the chunks of a long prompt with nothing else running.
+
 An FP8 KV pool (``--kv-cache-dtype fp8_e4m3``) is planned with ``kv_data_type``
 float8 and run with the layer's scales: FlashInfer folds ``k_scale`` into the
 softmax scale and multiplies the output by ``v_scale`` (a scale of 1.0 is not
@@ -134,6 +140,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
             _scale_args(*layout.kv_scales(i)) if layout.quantized else {} for i in range(layout.num_layers)
         ]
         self._arange_cache = torch.arange(0, dtype=torch.int64, device=ctx.device)
+        # Per wrapper (by id): the event after the copy of its last plan.
+        self._plan_copied: dict[int, torch.cuda.Event] = {}
 
     # ------------------------------------------------------------ page lists
     def _arange(self, n: int) -> torch.Tensor:
@@ -169,9 +177,21 @@ class FlashInferAttnBackend(BaseAttnBackend):
         return torch.tensor(indptr, dtype=torch.int32), pages.to(torch.int32), torch.tensor(last, dtype=torch.int32)
 
     # -------------------------------------------------------------- planning
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """``wrapper.plan(*args, **kwargs)`` once the copy of the wrapper's previous plan has run (see the
+        module's docstring); an event recorded after it marks this plan's copy."""
+        done = self._plan_copied.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        event = torch.cuda.Event()
+        event.record()
+        self._plan_copied[id(wrapper)] = event
+
     def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
         c = self.ctx
-        wrapper.plan(
+        self._plan(
+            wrapper,
             indptr,
             indices,
             last,
@@ -203,7 +223,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         split = ragged_split(reqs) if self.ragged_prefill else len(reqs)
         if split < len(reqs):
             qo = _indptr(r.extend_len for r in reqs[split:])
-            self.ragged_wrapper.plan(
+            self._plan(
+                self.ragged_wrapper,
                 qo,
                 qo,
                 c.num_qo_heads,
@@ -218,7 +239,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         if split > 0:
             paged = reqs[:split]
             paged_qo = _indptr(r.extend_len for r in paged)
-            self.prefill_wrapper.plan(
+            self._plan(
+                self.prefill_wrapper,
                 paged_qo,
                 *self._page_lists(paged),
                 c.num_qo_heads,
