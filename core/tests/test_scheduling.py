@@ -145,6 +145,21 @@ def test_throughput_policy_paces_prompts_into_decode_steps(make_llm, overlap: bo
     assert len(steps["throughput"]) <= len(steps["fcfs"]) + 1
 
 
+def test_throughput_policy_fills_the_rows_a_padded_step_computes_anyway(make_llm) -> None:
+    """Where a step pads to a prefill graph's size (here: a multiple of 24 tokens), the paced prompt tokens fill
+    the padding: every step with prompt tokens, but the one that runs out of them, has a padded size."""
+    kw = {"chunked_prefill_size": 512, "throughput_step_tokens": 16}
+    want, _ = _steps(make_llm(schedule_policy="fcfs", **kw), PACE_PROMPTS, PACE_PARAMS)
+    llm = make_llm(schedule_policy="throughput", **kw)
+    assert llm.engine.prefill_step_tokens(17) == 17  # CPU: no prefill graphs, no padding
+    llm.engine.prefill_step_tokens = lambda n: -(-n // 24) * 24  # type: ignore[method-assign]
+    got, steps = _steps(llm, PACE_PROMPTS, PACE_PARAMS)
+    assert got == want
+    with_prompt = [dec + prompt for dec, prompt in steps if prompt]
+    assert with_prompt and all(n % 24 == 0 for n in with_prompt[:-1]), steps
+    assert all(n <= 24 for n in with_prompt[:-1]), steps  # the target of 16 pads to 24, no further
+
+
 def test_throughput_policy_computes_more_to_keep_the_longest_requests_pace(make_llm) -> None:
     """Where filling the steps would start a request too late to end with the longest one, the step computes
     more prompt tokens: the job still ends when its longest request does."""

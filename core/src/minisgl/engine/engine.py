@@ -341,6 +341,12 @@ class Engine:
             self.model, self.attn, max_tokens=max_tokens, device=self.device, kv_pool=self.kv_pool
         )
 
+    def prefill_step_tokens(self, tokens: int) -> int:
+        """The rows a prefill or mixed step of ``tokens`` new tokens computes: the prefill graph size it pads
+        to (whose padding rows run the whole forward but attention), or ``tokens`` when it runs eagerly."""
+        graphs = self.prefill_graphs
+        return graphs.padded_tokens(tokens) if graphs is not None and tokens <= graphs.max_tokens else tokens
+
     @property
     def prefill_graph_max_tokens(self) -> int:
         """The largest prefill or mixed step (tokens) that replays prefill graphs; 0 without them."""

@@ -252,11 +252,15 @@ class PrefillGraphRunner:
     def can_run(self, batch: Batch) -> bool:
         return batch.is_prefill and batch.input_ids is not None and batch.input_ids.numel() <= self.max_tokens
 
+    def padded_tokens(self, n: int) -> int:
+        """The captured token count a step of ``n`` (at most ``max_tokens``) tokens replays."""
+        return next(s for s in self.sizes if s >= n)
+
     def replay(self, batch: Batch) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` of prefill ``batch`` (tensors and attention metadata prepared)."""
         assert batch.input_ids is not None and batch.positions is not None and self.hidden is not None
         n = batch.input_ids.numel()
-        size = next(s for s in self.sizes if s >= n)
+        size = self.padded_tokens(n)
         graph = self.graphs[size]
         self.ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)

@@ -572,7 +572,8 @@ class Scheduler:
         Enough to fill the step to ``throughput_step_tokens``, or more where a request must start sooner: the
         longest running request ends in ``horizon`` steps, and a request with ``n`` output tokens to go starts
         decoding by step ``horizon - n`` only if the prompt tokens queued up to it are computed by then. Only the
-        requests that could be admitted now are counted (the others wait for a running one to end anyway).
+        requests that could be admitted now are counted (the others wait for a running one to end anyway). Then
+        up to the rows the step computes anyway (:meth:`~minisgl.engine.Engine.prefill_step_tokens`).
         """
         cfg = self.config
         fill = cfg.throughput_step_tokens - decoding
@@ -599,7 +600,9 @@ class Scheduler:
             rate = tokens / steps if steps > 1 else tokens
             if rate > need:
                 need = rate
-        return max(1, min(limit, max(fill, math.ceil(need))))
+        budget = max(1, min(limit, max(fill, math.ceil(need))))
+        # A step padded to a prefill graph's size runs its padding rows through the GEMMs anyway: fill them.
+        return min(limit, self.engine.prefill_step_tokens(decoding + budget) - decoding)
 
     def _waits_for_batch_prefix(self, req: Req, batch: list[Req]) -> bool:
         """Whether ``req`` waits (and so the queue behind it) for a longer prefix of its prompt that ``batch``
