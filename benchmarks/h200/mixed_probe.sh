@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: where a mixed step's time goes (mixed_probe.py, Qwen3-8B shape, dummy weights) with FlashInfer
 # computing the decoding rows of a mixed batch in its prefill kernel (MINISGL_FLASHINFER_SPLIT_DECODE=0) and in
-# its decode kernel (=1), and with the K/V stores inside the prefill graphs' pieces or between them, then the flashinfer plugin's GPU tests. Run from the repository root with .whl carried;
-# CHUNK (default 160) is the prompt chunk beside the decodes. Results in $OUT: mixed-probe-split{0-in,1-in,0-out}.json, log.txt.
+# its decode kernel (=1), and with the K/V stores inside the prefill graphs' pieces or between them, then the
+# flashinfer plugin's and the prefill graphs' GPU tests. Run from the repository root with .whl carried; CHUNK
+# (default 160) is the prompt chunk beside the decodes. Results in $OUT: mixed-probe-split{0-in,1-in,0-out}.json,
+# log.txt.
 set -uo pipefail
 export LIMIT=${LIMIT:-560}
 source benchmarks/h200/setup.sh

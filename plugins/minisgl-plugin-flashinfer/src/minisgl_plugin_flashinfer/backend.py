@@ -265,9 +265,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
         hq, hkv, d = c.num_qo_heads, c.num_kv_heads, c.head_dim
         k, v = k.view(-1, hkv, d), v.view(-1, hkv, d)
         c.kv_pool.store_kv(k, v, batch.out_loc, layer_id)
-        if meta.single:
-            kv = (c.kv_pool.k_cache(layer_id), c.kv_pool.v_cache(layer_id))
-            return meta.wrapper.run(q.view(-1, hq, d), kv, **self._scale_args[layer_id]).view(-1, hq * d)
         out = torch.empty((q.shape[0], hq * d), dtype=q.dtype, device=q.device)
         self._attend(meta, q.view(-1, hq, d), k, v, layer_id, out.view(-1, hq, d))
         return out
@@ -364,17 +361,18 @@ def decode_rows(reqs: list[Req]) -> int:
 def split_decode_setting(split_decode: bool | None) -> bool:
     """Whether a backend built with ``split_decode`` computes a mixed batch's decoding rows with the decode
     kernel: the argument when given, else ``MINISGL_FLASHINFER_SPLIT_DECODE``, else off."""
-    if split_decode is None:
-        split_decode = _flag_from_env("MINISGL_FLASHINFER_SPLIT_DECODE")
-    return bool(split_decode)
+    return _off_unless_asked(split_decode, "MINISGL_FLASHINFER_SPLIT_DECODE")
 
 
 def ragged_prefill_setting(ragged_prefill: bool | None) -> bool:
     """Whether a backend built with ``ragged_prefill`` prefills fresh prompts through the ragged kernel: the
     argument when given, else ``MINISGL_FLASHINFER_RAGGED``, else off (see the module's docstring)."""
-    if ragged_prefill is None:
-        ragged_prefill = _flag_from_env("MINISGL_FLASHINFER_RAGGED")
-    return bool(ragged_prefill)
+    return _off_unless_asked(ragged_prefill, "MINISGL_FLASHINFER_RAGGED")
+
+
+def _off_unless_asked(value: bool | None, env: str) -> bool:
+    """An opt-in switch: ``value`` when given, else environment variable ``env`` (:func:`_flag_from_env`), else off."""
+    return bool(_flag_from_env(env) if value is None else value)
 
 
 def _indptr(lengths: Iterable[int]) -> torch.Tensor:
