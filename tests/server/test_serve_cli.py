@@ -52,6 +52,24 @@ def test_help_lists_every_setting_without_importing_torch() -> None:
         assert flag in out.stdout, flag
 
 
+def test_cli_reference_names_every_flag_and_no_other() -> None:
+    """docs/serving.md's flag tables (its CLI reference) and ``minisgl serve --help`` name the same flags."""
+    out = run_cli("serve", "--help")
+    assert out.returncode == 0, out.stderr
+    # Negations (--no-overlap-schedule) stand beside their flag in one row; --help is argparse's.
+    helped = {f for f in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", out.stdout) if not f.startswith("--no-")}
+    helped.discard("--help")
+    reference = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+    rows = [line for line in reference.read_text().splitlines() if line.startswith("| `--")]
+    # A row names its flag first; aliases and examples (--model-config, --router-args' flags) stand in its text.
+    named = {
+        f for row in rows for f in re.findall(r"`(--[a-z][a-z-]*)", row.split("|")[1]) if not f.startswith("--no-")
+    }
+    mentioned = set(re.findall(r"(--[a-z][a-z-]*)", "\n".join(rows)))
+    assert helped - mentioned == set(), f"flags missing from docs/serving.md: {sorted(helped - mentioned)}"
+    assert named - helped == set(), f"docs/serving.md names flags serve lacks: {sorted(named - helped)}"
+
+
 def test_chat_help_lists_the_engine_flags_and_its_own_only() -> None:
     from minisgl.config import EngineFields
 
