@@ -10,7 +10,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.attention import AttentionContext, HybridAttnBackend, TorchAttnBackend
-from minisgl.core import Batch
+from minisgl.core import Batch, ValidationError
 from minisgl.plugins import AttentionBackendSpec, PluginSource, hookimpl, load_plugins
 from minisgl.testing.registry import TEST_MODELS_PLUGIN, _test_models_plugin
 
@@ -116,10 +116,19 @@ def test_auto_decodes_an_fp8_cache_with_the_backend_that_asks_for_it(
 
 def test_auto_keeps_one_backend_for_other_caches_and_named_backends(tiny_dir: Path) -> None:
     reg = _decoder_registry()
-    for kw in ({"attention_backend": "auto"}, {"attention_backend": "torch", "kv_cache_dtype": "fp8_e4m3"}):
+    for kw in (
+        {"attention_backend": "auto"},
+        {"attention_backend": "torch", "kv_cache_dtype": "fp8_e4m3"},
+        {"attention_backend": "auto", "kv_cache_dtype": "fp8_e5m2"},  # the decoder asks for e4m3 only
+    ):
         with LLM(str(tiny_dir), registry=reg, page_size=4, **kw) as llm:  # type: ignore[arg-type]
             assert [s.name for s in llm.engine.attn_specs] == ["torch"], kw
             assert not isinstance(llm.engine.attn, HybridAttnBackend)
+    # Named over a cache it does not read: refused, naming the backends that read it.
+    with pytest.raises(
+        ValidationError, match="fp8-decoder.* cannot read a fp8_e5m2 KV cache; installed backends that can: torch"
+    ):
+        LLM(str(tiny_dir), registry=reg, page_size=4, attention_backend="fp8-decoder", kv_cache_dtype="fp8_e5m2")
 
 
 def test_auto_decodes_with_the_prefill_backend_when_the_decoder_cannot_run(

@@ -385,3 +385,21 @@ def test_kit_runs_attend_stored_of_a_backend_that_supports_it(kv_cache_dtype: st
 def test_kit_rejects_broken_attend_stored(broken: type) -> None:
     with pytest.raises(AssertionError):
         _run_all_scenarios(broken)
+
+
+class TestTorchBackendE5M2KV(AttentionBackendConformance):
+    backend = "torch"
+    kv_cache_dtype = "fp8_e5m2"
+    head_dims = (64,)
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()
+
+
+class TestTorchBackendBFloat16E5M2KV(AttentionBackendConformance):
+    backend = "torch"
+    dtype = torch.bfloat16
+    kv_cache_dtype = "fp8_e5m2"
+
+    def load_registry(self) -> PluginRegistry:
+        return _builtin_only()

@@ -183,6 +183,25 @@ def test_prefix_reuse_over_fp8_cache(model_dir: Path, reference: Reference) -> N
     _check_divergences(reference, [o.token_ids for o in outs], "radix, prefixes reused")
 
 
+def test_e5m2_cache_greedy_agrees_with_torch_e5m2(model_dir: Path, prompts: list[list[int]]) -> None:
+    """``kv_cache_dtype="fp8_e5m2"``: flashinfer with CUDA graphs (and the radix cache's prefixes on a second
+    pass, where the plugin is installed) against the torch reference over an e5m2 cache."""
+    ref_llm = _llm(model_dir, attention_backend="torch", kv_cache_dtype="fp8_e5m2", overlap_schedule=False)
+    try:
+        assert ref_llm.engine.kv_pool.layout.dtype == torch.float8_e5m2
+        ref = Reference(prompts, _generate(ref_llm, prompts), ref_llm)
+        radix = importlib.util.find_spec("minisgl_plugin_radix") is not None
+        llm = _llm(model_dir, attention_backend="flashinfer", kv_cache_dtype="fp8_e5m2",
+                   prefix_cache="radix" if radix else "naive")  # fmt: skip
+        assert llm.engine.graphs is not None and llm.engine.kv_pool.k_cache(0).dtype == torch.float8_e5m2
+        first, second = _generate(llm, prompts), _generate(llm, prompts)
+        llm.close()
+        _check_divergences(ref, first, "e5m2")
+        _check_divergences(ref, second, "e5m2, second pass" + (" (prefixes reused)" if radix else ""))
+    finally:
+        ref_llm.close()
+
+
 def test_fp8_cache_holds_twice_the_pages_of_bfloat16(model_dir: Path) -> None:
     """The same share of GPU memory gives twice the pages (the benchmark target, checked at start-up)."""
     pages = {}

@@ -223,7 +223,8 @@ def test_listing_table(dists: dict[str, Path]) -> None:
         "torch",
         "(KV",
         "cache",
-        "fp8_e4m3)",
+        "fp8_e4m3,",
+        "fp8_e5m2)",
     ]
     assert lines[builtin + 1].split() == ["kv_pool:", "mha"]
 

@@ -124,9 +124,9 @@ def test_table_listing_with_a_device_shows_one_line_per_unsupported_component() 
 def test_listing_says_which_quantized_kv_caches_a_backend_reads() -> None:
     reg = registry()
     rows = {row["name"]: row for row in to_json(reg)["components"]["attention"]}
-    assert rows["torch"]["kv_cache_dtypes"] == ["fp8_e4m3"] and rows["bw"]["kv_cache_dtypes"] == []
+    assert rows["torch"]["kv_cache_dtypes"] == ["fp8_e4m3", "fp8_e5m2"] and rows["bw"]["kv_cache_dtypes"] == []
     table = render_table(reg)
-    assert "torch (KV cache fp8_e4m3)" in table and "bw (KV cache" not in table
+    assert "torch (KV cache fp8_e4m3, fp8_e5m2)" in table and "bw (KV cache" not in table
 
 
 def test_cli_device_flag() -> None:

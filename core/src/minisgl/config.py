@@ -97,10 +97,11 @@ class EngineFields(BaseModel):
     num_pages: int | None = Field(None, ge=2, description="KV cache pages; default: sized from memory")
     mem_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for the KV cache")
     cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU, in GiB")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8"] = Field(
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8", "fp8_e5m2"] = Field(
         "auto",
         description="KV cache storage: auto = the model dtype; fp8_e4m3 (alias fp8) = one byte per value (twice "
-        "the pages), with the checkpoint's per-layer k/v scales or 1.0",
+        "the pages), with the checkpoint's per-layer k/v scales or 1.0; fp8_e5m2 = one byte with a wider range "
+        "and one mantissa bit less (the same scales)",
     )
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy = random weights (benchmarks)")
     hf_config_path: str | None = Field(

@@ -1,6 +1,6 @@
 """The flashinfer backend over an FP8 KV cache (CUDA only): the conformance kit with per-layer scales against the
-torch reference reading the same FP8 cache (with and without the ragged prefill of fresh prompts), and a captured
-decode graph replayed over an FP8 cache."""
+torch reference reading the same FP8 cache (with and without the ragged prefill of fresh prompts; e4m3, and e5m2
+on one shape), and a captured decode graph replayed over an FP8 cache."""
 
 from __future__ import annotations
 
@@ -61,21 +61,35 @@ class TestFlashInferFP8KVFloat16(AttentionBackendConformance):
     head_dims = (128,)
 
 
+class TestFlashInferE5M2KVConformance(AttentionBackendConformance):
+    """An e5m2 cache (``--kv-cache-dtype fp8_e5m2``), held to the torch reference reading it (one shape: each
+    dtype pair is another FlashInfer JIT build)."""
+
+    backend = "flashinfer"
+    device = "cuda"
+    dtype = torch.bfloat16
+    kv_cache_dtype = "fp8_e5m2"
+    page_sizes = (16,)
+    gqa_ratios = (4,)
+    head_dims = (128,)
+
+
 MAX_REQS, MAX_SEQ = 8, 1024
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_graph_replay_over_fp8_cache(page_size: int, tensor_cores: bool) -> None:
+@pytest.mark.parametrize(
+    ("fp8", "tensor_cores", "page_size"),
+    [(torch.float8_e4m3fn, tc, ps) for tc in (False, True) for ps in (1, 16)] + [(torch.float8_e5m2, True, 16)],
+    ids=lambda x: str(x).removeprefix("torch.float8_"),
+)
+def test_decode_graph_replay_over_fp8_cache(fp8: torch.dtype, tensor_cores: bool, page_size: int) -> None:
     """Capture decode attention at batch size 8 over an FP8 cache with scales, replay it for 5 requests."""
     from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
 
     dev, rng = torch.device("cuda"), random.Random(page_size)
     torch.manual_seed(page_size)
     num_pages = MAX_REQS * MAX_SEQ // page_size + 1
-    layout = KVLayout(
-        2, num_pages, page_size, 8, 128, torch.float8_e4m3fn, dev, k_scales=(0.5, 2.0), v_scales=(2.0, 0.25)
-    )
+    layout = KVLayout(2, num_pages, page_size, 8, 128, fp8, dev, k_scales=(0.5, 2.0), v_scales=(2.0, 0.25))
     pool = MHAKVPool(layout)
     table = torch.zeros((MAX_REQS, MAX_SEQ), dtype=torch.int32, device=dev)
     ctx = AttentionContext(16, 8, 128, page_size, pool, table, MAX_REQS, MAX_SEQ, torch.bfloat16, dev)
@@ -125,13 +139,14 @@ def test_decode_graph_replay_over_fp8_cache(page_size: int, tensor_cores: bool) 
         assert err < 1e-2, f"round {round_}: relative error {err:.2e} against the torch reference over the FP8 cache"
 
 
-def test_rejects_other_quantized_kv_dtypes() -> None:
+def test_rejects_a_cache_of_another_dtype() -> None:
+    """A float16 cache under a bfloat16 model: neither the model dtype nor a float8 one."""
     from minisgl_plugin_flashinfer.backend import FlashInferAttnBackend
 
     dev = torch.device("cuda")
-    layout = KVLayout(1, 4, 16, 2, 128, torch.float8_e5m2, dev)
+    layout = KVLayout(1, 4, 16, 2, 128, torch.float16, dev)
     pool = MHAKVPool(layout)
     ctx = AttentionContext(4, 2, 128, 16, pool, torch.zeros(1, 64, dtype=torch.int32, device=dev), 1, 64,
                            torch.bfloat16, dev)  # fmt: skip
-    with pytest.raises(ValueError, match="a torch.float8_e5m2 KV cache is not supported"):
+    with pytest.raises(ValueError, match="a torch.float16 KV cache is not supported"):
         FlashInferAttnBackend(ctx)

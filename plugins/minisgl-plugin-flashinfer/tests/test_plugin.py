@@ -20,6 +20,8 @@ def test_backend_is_registered_with_alias_and_ranked_first(monkeypatch: pytest.M
     monkeypatch.setattr(ComponentSpec, "unsupported_reason", lambda self, device: None)
     ranked = [s.name for s in reg.ranked("attention", "cuda")]
     assert ranked[0] == "flashinfer" and ranked[-1] == "torch"  # the core's reference, trylast
+    # It reads both FP8 KV cache dtypes (and decodes them itself unless a backend asks to).
+    assert spec.kv_cache_dtypes == ("fp8_e4m3", "fp8_e5m2") and spec.decode_kv_cache_dtypes == ()
 
 
 def test_not_supported_on_cpu_and_auto_falls_back_to_torch() -> None:

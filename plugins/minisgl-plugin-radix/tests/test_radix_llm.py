@@ -26,7 +26,7 @@ def test_radix_is_the_default_when_installed(tiny_dir, registry, core_only_regis
     assert LLM(str(tiny_dir), registry=core_only_registry, num_pages=8).engine.prefix_cache_spec.name == "naive"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_multi_turn_conversation_matches_naive_and_reuses_history(make_llm, page_size: int, kv_cache_dtype) -> None:
     """Also over an FP8 KV cache: the reused history is read back from its quantized pages."""

@@ -150,6 +150,7 @@ def test_only_xqa_declares_an_fp8_kv_cache() -> None:
     reg = load_plugins(only=["builtin", "trtllm"])
     xqa, gen = reg.get("attention", "trtllm-xqa"), reg.get("attention", "trtllm")
     assert xqa.kv_cache_dtypes == ("fp8_e4m3",) and xqa.reads_kv_cache("fp8_e4m3") and xqa.reads_kv_cache("auto")
+    assert not xqa.reads_kv_cache("fp8_e5m2")  # XQA reads e4m3 only
     assert gen.kv_cache_dtypes == () and not gen.reads_kv_cache("fp8_e4m3") and gen.reads_kv_cache("auto")
     # and '--attn auto' decodes an FP8 cache with XQA (the best-ranked backend prefills).
     assert xqa.decode_kv_cache_dtypes == ("fp8_e4m3",) and gen.decode_kv_cache_dtypes == ()

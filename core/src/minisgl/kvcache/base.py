@@ -15,11 +15,12 @@ if TYPE_CHECKING:
     from ..kernel import KernelSet
 
 #: Quantized KV cache dtypes by setting name (``--kv-cache-dtype``); ``auto`` stores the model dtype.
-QUANTIZED_KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
+#: ``fp8_e4m3`` keeps 3 mantissa bits over +-448 (the usual choice, with scales); ``fp8_e5m2`` 2 bits over +-57,344.
+QUANTIZED_KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
-    """``fp8_e4m3`` for a quantized KV dtype, else the torch name (``bfloat16``)."""
+    """``fp8_e4m3`` / ``fp8_e5m2`` for a quantized KV dtype, else the torch name (``bfloat16``)."""
     names = {d: n for n, d in QUANTIZED_KV_DTYPES.items()}
     return names.get(dtype, str(dtype).removeprefix("torch."))
 

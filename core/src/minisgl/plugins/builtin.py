@@ -16,7 +16,7 @@ def minisgl_attention_backends() -> list[AttentionBackendSpec]:
             auto=True,
             factory="minisgl.attention.torch_backend:TorchAttnBackend",
             description=desc,
-            kv_cache_dtypes=("fp8_e4m3",),
+            kv_cache_dtypes=("fp8_e4m3", "fp8_e5m2"),
         )
     ]
 

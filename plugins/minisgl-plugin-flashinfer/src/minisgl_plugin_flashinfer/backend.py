@@ -17,8 +17,8 @@ has run (an event per wrapper). Otherwise a host running steps ahead of the devi
 the copy reads it, and the earlier step runs with the later step's plan. The host runs ahead when steps sample
 nothing: the chunks of a long prompt with nothing else running.
 
-An FP8 KV pool (``--kv-cache-dtype fp8_e4m3``) is planned with ``kv_data_type``
-float8 and run with the layer's scales: FlashInfer folds ``k_scale`` into the
+An FP8 KV pool (``--kv-cache-dtype fp8_e4m3`` or ``fp8_e5m2``) is planned with ``kv_data_type``
+that float8 dtype and run with the layer's scales: FlashInfer folds ``k_scale`` into the
 softmax scale and multiplies the output by ``v_scale`` (a scale of 1.0 is not
 passed, which saves that multiplication).
 
@@ -50,7 +50,7 @@ from minisgl.core import Batch, Req
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_KV_DTYPES = (torch.float8_e4m3fn,)  # besides the model dtype
+SUPPORTED_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # besides the model dtype
 WORKSPACE_BYTES = 256 << 20
 
 
@@ -113,7 +113,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         layout = ctx.kv_pool.layout
         if layout.dtype != ctx.dtype and layout.dtype not in SUPPORTED_KV_DTYPES:
             raise ValueError(
-                f"flashinfer backend: a {layout.dtype} KV cache is not supported (the model dtype or float8_e4m3fn)"
+                f"flashinfer backend: a {layout.dtype} KV cache is not supported (the model dtype, float8_e4m3fn "
+                "or float8_e5m2)"
             )
         import flashinfer  # the kernel library is imported only when the backend is built
 

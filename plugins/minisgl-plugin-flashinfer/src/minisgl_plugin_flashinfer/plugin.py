@@ -26,6 +26,6 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
             aliases=("fi",),
             is_supported=is_supported,
             description="FlashInfer paged prefill and decode (CUDA graphs for decode; FP8 KV cache)",
-            kv_cache_dtypes=("fp8_e4m3",),
+            kv_cache_dtypes=("fp8_e4m3", "fp8_e5m2"),
         )
     ]
