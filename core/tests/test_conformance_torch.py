@@ -387,19 +387,9 @@ def test_kit_rejects_broken_attend_stored(broken: type) -> None:
         _run_all_scenarios(broken)
 
 
-class TestTorchBackendE5M2KV(AttentionBackendConformance):
-    backend = "torch"
-    kv_cache_dtype = "fp8_e5m2"
-    head_dims = (64,)
-
-    def load_registry(self) -> PluginRegistry:
-        return _builtin_only()
-
-
-class TestTorchBackendBFloat16E5M2KV(AttentionBackendConformance):
-    backend = "torch"
-    dtype = torch.bfloat16
+class TestTorchBackendE5M2KV(TestTorchBackendFP8KV):
     kv_cache_dtype = "fp8_e5m2"
 
-    def load_registry(self) -> PluginRegistry:
-        return _builtin_only()
+
+class TestTorchBackendBFloat16E5M2KV(TestTorchBackendBFloat16FP8KV):
+    kv_cache_dtype = "fp8_e5m2"

@@ -14,7 +14,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.core import ValidationError
 from minisgl.kernel import fp32_reciprocal, quantize_kv
-from minisgl.kvcache import KVLayout, MHAKVPool
+from minisgl.kvcache import QUANTIZED_KV_DTYPES, KVLayout, MHAKVPool
 from minisgl.testing.models import prefill_logits, random_prompts
 
 # Teacher-forced logits over an FP8 cache against the unquantized cache (float32 model): relative error of
@@ -24,7 +24,6 @@ from minisgl.testing.models import prefill_logits, random_prompts
 FP8_LOGITS_REL_ERROR = {"fp8_e4m3": 0.1, "fp8_e5m2": 0.2}
 FP8_TOP1_AGREEMENT = {"fp8_e4m3": 0.99, "fp8_e5m2": 0.95}
 FP8_GREEDY_AGREEMENT = {"fp8_e4m3": 0.9, "fp8_e5m2": 0.8}
-FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DECISIVE = 0.2  # top-1 minus top-2 logit, in standard deviations of the row
 
 
@@ -48,8 +47,8 @@ def test_fp8_cache_agrees_with_unquantized(make_llm, kv: str) -> None:
     seqs = random_prompts([40, 9, 70], 512, seed=21)
     ref_llm, fp8_llm = make_llm(), make_llm(kv_cache_dtype="fp8" if kv == "fp8_e4m3" else kv)
     assert fp8_llm.config.kv_cache_dtype == kv  # "fp8" is an alias of fp8_e4m3
-    assert fp8_llm.engine.kv_pool.layout.dtype == FP8_TORCH[kv]
-    assert fp8_llm.engine.kv_pool.k_cache(0).dtype == FP8_TORCH[kv]
+    assert fp8_llm.engine.kv_pool.layout.dtype == QUANTIZED_KV_DTYPES[kv]
+    assert fp8_llm.engine.kv_pool.k_cache(0).dtype == QUANTIZED_KV_DTYPES[kv]
     assert ref_llm.engine.kv_pool.layout.dtype == torch.float32
     rel, top1 = _compare(_logits(fp8_llm, seqs), _logits(ref_llm, seqs))
     assert rel < FP8_LOGITS_REL_ERROR[kv], f"relative logits error {rel:.3f} over the {kv} cache"

@@ -61,6 +61,7 @@ from ..kvcache import (
     KVLayout,
     MHAKVPool,
     NaivePrefixCache,
+    kv_dtype_name,
     quantize_kv,
 )
 from ..plugins import PluginRegistry, load_plugins
@@ -155,7 +156,6 @@ class AttentionHarness:
                 f"kv_cache_dtype must be auto or one of {list(QUANTIZED_KV_DTYPES)}, got {kv_cache_dtype!r}"
             )
         kv_dtype = QUANTIZED_KV_DTYPES.get(kv_cache_dtype, dtype)
-        self.kv_cache_dtype = kv_cache_dtype
         layout = KVLayout(num_layers, num_pages, ps, case.num_kv_heads, case.head_dim, kv_dtype, self.device)
         if layout.quantized:
             scales = [KV_TEST_SCALES[i % len(KV_TEST_SCALES)] for i in range(num_layers)]
@@ -386,7 +386,7 @@ class AttentionHarness:
                 )
             if self.layout.quantized:
                 raw = reference_attention(qr, *self.raw_history[req.rid], req.cached_len, self.ctx.scale)
-                atol, rtol = QUANTIZED_KV_TOLERANCES[self.kv_cache_dtype]
+                atol, rtol = QUANTIZED_KV_TOLERANCES[kv_dtype_name(self.layout.dtype)]
                 if not bool(torch.isclose(got, raw, atol=atol + self.atol, rtol=rtol).all()):
                     raise AssertionError(
                         f"{at}: attention over the {self.layout.dtype} cache is further from attention over the "

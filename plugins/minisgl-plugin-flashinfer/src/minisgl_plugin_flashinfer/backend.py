@@ -47,10 +47,13 @@ import torch
 
 from minisgl.attention import AttentionContext, BaseAttnBackend
 from minisgl.core import Batch, Req
+from minisgl.kvcache import QUANTIZED_KV_DTYPES
+
+from .plugin import KV_CACHE_DTYPES
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # besides the model dtype
+SUPPORTED_KV_DTYPES = tuple(QUANTIZED_KV_DTYPES[name] for name in KV_CACHE_DTYPES)  # besides the model dtype
 WORKSPACE_BYTES = 256 << 20
 
 
@@ -113,8 +116,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         layout = ctx.kv_pool.layout
         if layout.dtype != ctx.dtype and layout.dtype not in SUPPORTED_KV_DTYPES:
             raise ValueError(
-                f"flashinfer backend: a {layout.dtype} KV cache is not supported (the model dtype, float8_e4m3fn "
-                "or float8_e5m2)"
+                f"flashinfer backend: a {layout.dtype} KV cache is not supported (the model dtype, or "
+                f"--kv-cache-dtype {' or '.join(KV_CACHE_DTYPES)})"
             )
         import flashinfer  # the kernel library is imported only when the backend is built
 

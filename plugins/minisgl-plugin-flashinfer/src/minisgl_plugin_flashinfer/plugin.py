@@ -6,6 +6,9 @@ from collections.abc import Iterable
 
 from minisgl.plugins import AttentionBackendSpec, hookimpl
 
+#: The quantized KV cache dtypes the backend reads besides the model dtype (its spec's ``kv_cache_dtypes``).
+KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+
 
 def is_supported(device: str) -> bool:
     """CUDA only, and only where the ``flashinfer`` package can be found (without importing it)."""
@@ -26,6 +29,6 @@ def minisgl_attention_backends() -> Iterable[AttentionBackendSpec]:
             aliases=("fi",),
             is_supported=is_supported,
             description="FlashInfer paged prefill and decode (CUDA graphs for decode; FP8 KV cache)",
-            kv_cache_dtypes=("fp8_e4m3", "fp8_e5m2"),
+            kv_cache_dtypes=KV_CACHE_DTYPES,
         )
     ]
